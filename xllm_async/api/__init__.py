@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request validation, routes, response shapes."""

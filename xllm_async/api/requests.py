@@ -1,0 +1,180 @@
+"""OpenAI request bodies -> validated prompts and sampling parameters."""
+
+from __future__ import annotations
+
+import orjson
+
+from ..engine.sampling import SamplingParams
+from ..errors import ApiError
+from .fields import Fields, bad, is_int
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 1024
+
+
+class ModelInfo:
+    """What validation needs to know about the served model."""
+
+    __slots__ = ("name", "tokenizer", "vocab_size", "max_model_len", "max_n", "encode")
+
+    def __init__(self, name: str, tokenizer, vocab_size: int, max_model_len: int, max_n: int) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_n = max_n
+        # The Rust tokenizer directly: the Python wrapper costs more than the encoding itself.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self.encode = lambda text, special: backend.encode(text, add_special_tokens=special).ids
+        else:
+            self.encode = lambda text, special: tokenizer.encode(text, add_special_tokens=special)
+
+
+class GenerationSpec:
+    """One validated request: its prompts (token ids), parameters and output options."""
+
+    __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs")
+
+    def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs) -> None:
+        self.prompts: list[list[int]] = prompts
+        self.params: SamplingParams = params
+        self.n: int = n
+        self.stream: bool = stream
+        self.include_usage: bool = include_usage
+        self.chat: bool = chat
+        self.top_logprobs = top_logprobs
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "Request body must be a JSON object")
+    return data
+
+
+def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
+    fields = Fields(body)
+    _check_model(fields, model)
+    prompts = _completion_prompts(fields.raw("prompt"), model)
+    logprobs = fields.int("logprobs", None, 0, MAX_LOGPROBS)
+    max_tokens = fields.int("max_tokens", 16, 1)
+    return _spec(fields, model, prompts, max_tokens, "prompt", logprobs, chat=False)
+
+
+def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
+    fields = Fields(body)
+    _check_model(fields, model)
+    prompt = _chat_prompt(fields.raw("messages"), model)
+    logprobs = None
+    if fields.bool("logprobs", False):
+        logprobs = fields.int("top_logprobs", 0, 0, MAX_LOGPROBS)
+    elif fields.raw("top_logprobs") is not None:
+        raise bad("top_logprobs", "`top_logprobs` needs `logprobs: true`")
+    max_tokens = fields.int("max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = fields.int("max_tokens", None, 1)
+    return _spec(fields, model, [prompt], max_tokens, "messages", logprobs, chat=True)
+
+
+def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens: int | None, prompt_param: str,
+          logprobs: int | None, chat: bool) -> GenerationSpec:
+    longest = max(len(p) for p in prompts)
+    if longest >= model.max_model_len:
+        raise bad(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens, "
+                                f"but the prompt has {longest} tokens")
+    if max_tokens is None:  # chat without a limit: whatever room the context leaves
+        max_tokens = model.max_model_len - longest
+    elif longest + max_tokens > model.max_model_len:
+        raise bad("max_tokens", f"This model's maximum context length is {model.max_model_len} tokens. "
+                                f"However, you requested {longest + max_tokens} tokens ({longest} in the prompt, "
+                                f"{max_tokens} for the completion)")
+    top_k = fields.int("top_k", 0, -1)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=fields.float("temperature", 1.0, 0.0, 100.0),
+        top_p=fields.float("top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k, 0),  # -1 and 0 both mean "off", as in vLLM
+        seed=fields.int("seed", None),
+        stop=fields.str_list("stop", MAX_STOP_STRINGS),
+        stop_token_ids=frozenset(fields.int_list("stop_token_ids", 0, model.vocab_size - 1)),
+        ignore_eos=fields.bool("ignore_eos", False),
+        logprobs=logprobs,
+    )
+    stream = fields.bool("stream", False)
+    options = Fields(fields.dict("stream_options"))
+    include_usage = stream and options.bool("include_usage", False)
+    n = fields.int("n", 1, 1, model.max_n)
+    return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+
+
+def _check_model(fields: Fields, model: ModelInfo) -> None:
+    name = fields.raw("model")
+    if name is not None and name != model.name:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model")
+
+
+def _completion_prompts(prompt, model: ModelInfo) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [_encoded(model, prompt, "prompt", special=True)]
+    if isinstance(prompt, list) and prompt:
+        if all(is_int(t) for t in prompt):
+            return [_checked_ids(prompt, model)]
+        if len(prompt) <= MAX_PROMPTS:
+            if all(isinstance(p, str) for p in prompt):
+                return [_encoded(model, p, "prompt", special=True) for p in prompt]
+            if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
+                return [_checked_ids(p, model) for p in prompt]
+    raise bad("prompt", "`prompt` must be a non-empty string, a list of token ids, or a list of either "
+                        f"(at most {MAX_PROMPTS})")
+
+
+def _encoded(model: ModelInfo, text: str, param: str, special: bool) -> list[int]:
+    ids = model.encode(text, special)
+    if not ids:
+        raise bad(param, f"`{param}` is empty after tokenisation")
+    return ids
+
+
+def _checked_ids(ids: list[int], model: ModelInfo) -> list[int]:
+    top = model.vocab_size - 1
+    for token in ids:
+        if token < 0 or token > top:
+            raise bad("prompt", f"token id {token} is outside the vocabulary [0, {top}]")
+    return ids
+
+
+def _chat_prompt(messages, model: ModelInfo) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "`messages` must be a non-empty list")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad("messages", f"messages[{i}] must be an object with a string `role`")
+        plain.append({"role": message["role"], "content": _message_text(message.get("content"), i)})
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "This model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # a template may raise on roles or orders it does not accept
+        raise bad("messages", f"The chat template rejected these messages: {exc}") from None
+    # The template already wrote the special tokens it wants.
+    return _encoded(model, text, "messages", special=False)
+
+
+def _message_text(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad("messages", f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}}")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")

@@ -1,0 +1,152 @@
+"""OpenAI response shapes for completions and chat, streamed or whole."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import orjson
+
+from ..engine.request import Delta
+
+_ids = itertools.count(1)
+_PROCESS = os.urandom(4).hex()  # ids unique across restarts without a uuid per request
+DONE = b"data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{_PROCESS}{next(_ids):x}"
+
+
+class Choice:
+    """One choice accumulated from its deltas (for the whole response and usage)."""
+
+    __slots__ = ("parts", "tokens", "logprobs", "finish_reason", "error")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.tokens = 0
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        if delta.text:
+            self.parts.append(delta.text)
+        if delta.token_id is not None:
+            self.tokens += 1
+        if delta.logprobs is not None:
+            self.logprobs.append((delta.token_id, delta.logprobs))
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.error = delta.error
+
+
+class ResponseShape:
+    """Builds the JSON of one request's response; subclasses say completion or chat."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, model: str, tokenizer, prefix: str, prompt_tokens: int, logprobs: bool) -> None:
+        self.id = new_id(prefix)
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.logprobs = logprobs
+
+    def usage(self, choices: list[Choice]) -> dict:
+        completion = sum(c.tokens for c in choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def response(self, choices: list[Choice]) -> bytes:
+        return orjson.dumps({
+            "id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+            "choices": [self.whole_choice(i, c) for i, c in enumerate(choices)], "usage": self.usage(choices),
+        })
+
+    def chunk(self, delta: Delta, first: bool) -> bytes:
+        return self._event({"id": self.id, "object": self.chunk_object_name, "created": self.created,
+                            "model": self.model, "choices": [self.delta_choice(delta, first)]})
+
+    def usage_chunk(self, choices: list[Choice]) -> bytes:
+        return self._event({"id": self.id, "object": self.chunk_object_name, "created": self.created,
+                            "model": self.model, "choices": [], "usage": self.usage(choices)})
+
+    @staticmethod
+    def error_event(error: dict) -> bytes:
+        return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+
+    @staticmethod
+    def _event(payload: dict) -> bytes:
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def whole_choice(self, index: int, choice: Choice) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, delta: Delta, first: bool) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShape(ResponseShape):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def whole_choice(self, index: int, choice: Choice) -> dict:
+        return {"index": index, "text": "".join(choice.parts),
+                "logprobs": self._logprobs(choice.logprobs) if self.logprobs else None,
+                "finish_reason": choice.finish_reason}
+
+    def delta_choice(self, delta: Delta, first: bool) -> dict:
+        logprobs = None
+        if self.logprobs and delta.logprobs is not None:
+            logprobs = self._logprobs([(delta.token_id, delta.logprobs)])
+        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+    def _logprobs(self, entries: list) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, lp in entries:
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            top.append({self.token_text(t): v for t, v in lp.top} if lp.top else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+class ChatShape(ResponseShape):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def whole_choice(self, index: int, choice: Choice) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.parts)},
+                "logprobs": self._logprobs(choice.logprobs) if self.logprobs else None,
+                "finish_reason": choice.finish_reason}
+
+    def delta_choice(self, delta: Delta, first: bool) -> dict:
+        # The role rides on the first chunk, together with the first text.
+        message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        logprobs = None
+        if self.logprobs and delta.logprobs is not None:
+            logprobs = self._logprobs([(delta.token_id, delta.logprobs)])
+        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+    def _logprobs(self, entries: list) -> dict:
+        content = []
+        for token_id, lp in entries:
+            content.append({**self._entry(token_id, lp.logprob),
+                            "top_logprobs": [self._entry(t, v) for t, v in lp.top]})
+        return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -1,0 +1,145 @@
+"""Settings: one dataclass, filled from XLLM_<NAME> environment variables and
+--<name> flags (flags win), every value validated before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from typing import Callable, Mapping, Sequence
+
+ENV_PREFIX = "XLLM_"
+
+
+class ConfigError(Exception):
+    """A bad setting; the message is one line naming the source, value and what is allowed."""
+
+
+@dataclasses.dataclass
+class Settings:
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    devices: str = "auto"
+    dtype: str = "auto"
+    scheduler: str = "fixed_steps"
+    concurrent_execute_stream_num: int = 2
+    max_tokens_per_batch: int = 8192
+    max_seqs_per_batch: int = 256
+    max_model_len: int | None = None
+    max_queued_requests: int = 4096
+    max_n: int = 64
+    max_body_bytes: int = 16 * 1024 * 1024
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "xllm_async")
+    log_level: str = "info"
+
+
+# --- value parsers: each returns the value or raises ValueError("what is allowed") ---
+
+def _int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    allowed = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(allowed)
+        return value
+
+    return parse
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in options:
+            raise ValueError("one of " + ", ".join(options))
+        return text.lower()
+
+    return parse
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
+
+
+def _device(text: str) -> str:
+    if not _DEVICE_RE.match(text.lower()):
+        raise ValueError("auto, cpu, cuda:<index> or npu:<index>")
+    return text.lower()
+
+
+def _text(text: str) -> str:
+    if not text.strip():
+        raise ValueError("a non-empty string")
+    return text
+
+
+def _model_dir(text: str) -> str:
+    path = os.path.expanduser(text)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError("a model folder that holds config.json")
+    return path
+
+
+def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
+    return lambda text: None if text == "" else parse(text)
+
+
+# name -> (parser, help). The defaults live on the dataclass.
+_OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
+    "model": (_optional(_model_dir), "model folder (config.json, safetensors, tokenizer); unset = SmolLM2-135M-Instruct"),
+    "served_model_name": (_optional(_text), "name clients pass as `model` (default: the folder's name)"),
+    "host": (_text, "address to listen on; 0.0.0.0 exposes the server to the network"),
+    "port": (_int_range(1, 65535), "TCP port"),
+    "devices": (_device, "auto (NPU, else CUDA, else CPU), cpu, cuda:N or npu:N"),
+    "dtype": (_choice("auto", "float32", "bfloat16", "float16"), "weights and activations dtype; auto = the model's own"),
+    "scheduler": (_choice("fixed_steps", "continuous"), "fixed_steps (batches run to completion on N slots) or continuous"),
+    "concurrent_execute_stream_num": (_int_range(1, 64), "N execution streams/slots for fixed_steps (1 = a single worker)"),
+    "max_tokens_per_batch": (_int_range(1), "token budget of one batch (padded prompt tokens)"),
+    "max_seqs_per_batch": (_int_range(1), "sequence budget of one batch"),
+    "max_model_len": (_optional(_int_range(2)), "longest prompt + output in tokens (default: the model's)"),
+    "max_queued_requests": (_int_range(1), "requests waiting for a batch before new ones get 503"),
+    "max_n": (_int_range(1, 1024), "largest `n` (choices per prompt) a request may ask for"),
+    "max_body_bytes": (_int_range(1024), "largest request body in bytes (413 beyond)"),
+    "cache_dir": (_text, "where the default model is converted to once"),
+    "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
+}
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Build Settings from the environment, then flags. Raises ConfigError on the first bad value."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="server.py", description="xllm_async OpenAI-compatible server")
+    for name, (_, help_text) in _OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), "--" + name, dest=name, default=None,
+                            metavar="VALUE", help=f"{help_text} [env {env_name(name)}]")
+    args = parser.parse_args(argv)
+    values = {}
+    for name, (parse, _) in _OPTIONS.items():
+        flag = getattr(args, name)
+        source, raw = ("--" + name.replace("_", "-"), flag) if flag is not None else (env_name(name), environ.get(env_name(name)))
+        if raw is None:
+            continue
+        try:
+            values[name] = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {source}={raw!r}: expected {exc}") from None
+    return Settings(**values)
+
+
+def options_table() -> str:
+    """The README's settings table, generated so it cannot drift from the code."""
+    defaults = Settings()
+    rows = ["| variable | flag | default | meaning |", "|---|---|---|---|"]
+    for name, (_, help_text) in _OPTIONS.items():
+        default = getattr(defaults, name)
+        shown = "~/.cache/xllm_async" if name == "cache_dir" else ("(unset)" if default is None else default)
+        rows.append(f"| `{env_name(name)}` | `--{name.replace('_', '-')}` | `{shown}` | {help_text} |")
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""What to run and when: requests, sampling, batches and the two schedulers."""

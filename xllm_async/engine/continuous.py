@@ -1,0 +1,84 @@
+"""The continuous scheduler (the baseline): one batch in flight on one slot,
+iteration-level batching. New requests are prefilled as soon as they arrive
+and merged into the running batch; finished ones leave after every step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Callable
+
+from .batch import GenerationBatch
+from .budget import BatchBudget
+from .request import EngineRequest
+
+log = logging.getLogger("xllm_async.scheduler")
+
+
+class ContinuousScheduler:
+    """The step loop runs on the slot's own thread, so one step follows the
+    previous one with no round trip through the event loop. The loop only
+    appends to `waiting` and sets `_arrived`; the thread sleeps on it when idle.
+    """
+
+    def __init__(self, runner, slot, budget: BatchBudget, deliver: Callable[[list], None]) -> None:
+        self.runner = runner
+        self.slot = slot
+        self.budget = budget
+        self.waiting: deque[EngineRequest] = deque()
+        self._deliver = deliver
+        self._arrived = threading.Event()
+        self._stopping = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def start(self) -> None:
+        self.slot.submit(self._serve)
+
+    def add(self, requests: list[EngineRequest]) -> None:
+        self.waiting.extend(requests)
+        self._arrived.set()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._arrived.set()
+
+    def _serve(self) -> None:
+        running: GenerationBatch | None = None
+        while not self._stopping:
+            if running is None:
+                # Clear before looking, so an arrival between the two still wakes us.
+                self._arrived.clear()
+                if not self.waiting:
+                    self._arrived.wait()
+                    continue
+            new = self.budget.take(self.waiting, len(running) if running else 0)
+            if new:
+                running = self._prefill_into(running, new)
+            elif running is not None:
+                running = self._decode(running)
+
+    def _prefill_into(self, running: GenerationBatch | None, requests: list[EngineRequest]):
+        batch = GenerationBatch(self.runner, requests)
+        try:
+            self._deliver(batch.prefill())
+        except Exception as exc:
+            log.exception("prefill of %d request(s) failed", len(requests))
+            self._deliver(batch.fail(f"{type(exc).__name__}: {exc}"))
+        if not batch:
+            return running
+        if running is None:
+            return batch
+        running.merge(batch)
+        return running
+
+    def _decode(self, running: GenerationBatch) -> GenerationBatch | None:
+        try:
+            self._deliver(running.decode())
+        except Exception as exc:
+            log.exception("decode step of %d request(s) failed", len(running))
+            self._deliver(running.fail(f"{type(exc).__name__}: {exc}"))
+        return running if running else None

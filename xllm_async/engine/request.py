@@ -1,0 +1,95 @@
+"""One sequence being generated, and the deltas it hands back to its caller."""
+
+from __future__ import annotations
+
+import time
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling import SamplingParams, TokenLogprobs
+
+
+class Delta:
+    """What one step added to one sequence. finish_reason set = the sequence is done."""
+
+    __slots__ = ("index", "text", "token_id", "logprobs", "finish_reason", "error")
+
+    def __init__(self, index: int, text: str, token_id: int | None, logprobs: TokenLogprobs | None,
+                 finish_reason: str | None, error: str | None = None) -> None:
+        self.index = index
+        self.text = text
+        self.token_id = token_id
+        self.logprobs = logprobs
+        self.finish_reason = finish_reason
+        self.error = error
+
+
+class EngineRequest:
+    """A prompt, its sampling parameters and its generation state.
+
+    Created on the event loop; stepped only by the one execution thread that
+    holds its batch; `aborted` is the one field the loop may write afterwards.
+    """
+
+    __slots__ = ("index", "prompt_ids", "params", "sink", "generator", "output_ids", "text", "_sent",
+                 "_detok", "_hold", "_eos", "_max_len", "finish_reason", "aborted", "arrival")
+
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
+        self.index = index  # the choice index inside its response
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.sink = sink  # receives Deltas on the event loop
+        self.generator = None
+        self.output_ids: list[int] = []
+        self.text = ""
+        self._sent = 0  # characters of text already handed out
+        self._detok: IncrementalDetokenizer | None = None
+        # Text that could still become the start of a stop string is held back.
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self._eos: frozenset[int] = frozenset()
+        self._max_len = 0
+        self.finish_reason: str | None = None
+        self.aborted = False
+        self.arrival = time.monotonic()
+
+    def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """Attach what stepping needs from the model (once, before the first step)."""
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._eos = frozenset() if self.params.ignore_eos else eos_token_ids
+        self._max_len = max_model_len
+
+    def append(self, token: int, logprobs: TokenLogprobs | None) -> Delta:
+        """Record one sampled token and return what the caller gets for it.
+
+        One delta per step, even with no text (held back, or a special token),
+        so that token ids, logprobs and counts stay exact.
+        """
+        params = self.params
+        self.output_ids.append(token)
+        if token in self._eos or token in params.stop_token_ids:
+            self.finish_reason = "stop"
+        else:
+            self.text += self._detok.push(token)
+            if params.stop and self._cut_at_stop_string():
+                self.finish_reason = "stop"
+            elif (len(self.output_ids) >= params.max_tokens
+                  or len(self.prompt_ids) + len(self.output_ids) >= self._max_len):
+                self.finish_reason = "length"
+        end = len(self.text) if self.finish_reason is not None else len(self.text) - self._hold
+        text = ""
+        if end > self._sent:
+            text = self.text[self._sent:end]
+            self._sent = end
+        return Delta(self.index, text, token, logprobs, self.finish_reason)
+
+    def fail(self, message: str) -> Delta:
+        self.finish_reason = "error"
+        return Delta(self.index, "", None, None, "error", message)
+
+    def _cut_at_stop_string(self) -> bool:
+        # A new stop string can only start in the text not yet handed out.
+        for stop in self.params.stop:
+            at = self.text.find(stop, self._sent)
+            if at != -1:
+                self.text = self.text[:at]
+                return True
+        return False

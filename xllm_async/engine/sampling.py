@@ -1,0 +1,99 @@
+"""Sampling parameters and the sampler that turns a batch of logits into tokens."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SamplingParams:
+    """How one sequence is generated; validated by the API before it gets here."""
+
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "logprobs")
+
+    def __init__(self, max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: tuple[str, ...] = (), stop_token_ids: frozenset[int] = frozenset(),
+                 ignore_eos: bool = False, logprobs: int | None = None) -> None:
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k  # 0 = off
+        self.seed = seed
+        self.stop = stop
+        self.stop_token_ids = stop_token_ids
+        self.ignore_eos = ignore_eos
+        self.logprobs = logprobs  # None = off, k = the chosen token plus the k most likely
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class TokenLogprobs:
+    """The chosen token's log-probability and the top alternatives at one position."""
+
+    __slots__ = ("logprob", "top")
+
+    def __init__(self, logprob: float, top: list[tuple[int, float]]) -> None:
+        self.logprob = logprob
+        self.top = top
+
+
+def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:
+    """A per-request generator so that a seeded request samples the same tokens in any batch.
+    offset (the choice index) keeps the n choices of one seeded request apart."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed + offset)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row of logits [rows, vocab]."""
+    greedy_tokens = logits.argmax(dim=-1)
+    wants_logprobs = False
+    sampled = False
+    for p in params:
+        wants_logprobs |= p.logprobs is not None
+        sampled |= not p.greedy
+    if not sampled and not wants_logprobs:  # the common case: one argmax for the whole batch
+        return greedy_tokens.tolist(), [None] * len(params)
+    tokens = greedy_tokens.tolist()
+    if sampled:
+        for row, p in enumerate(params):
+            if not p.greedy:
+                tokens[row] = _sample_row(logits[row], p, generators[row])
+    if not wants_logprobs:
+        return tokens, [None] * len(params)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    out: list[TokenLogprobs | None] = []
+    for row, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        top: list[tuple[int, float]] = []
+        if p.logprobs > 0:
+            values, ids = logprobs[row].topk(p.logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        out.append(TokenLogprobs(float(logprobs[row, tokens[row]]), top))
+    return tokens, out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    scores = logits / p.temperature
+    if 0 < p.top_k < scores.shape[-1]:
+        kth = scores.topk(p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, order = scores.sort(descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        # Drop a token when the tokens before it already cover top_p; the first always stays.
+        drop = (cumulative - sorted_scores.softmax(-1)) >= p.top_p
+        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=gen))

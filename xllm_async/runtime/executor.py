@@ -1,0 +1,66 @@
+"""Execution slots: N threads, each bound to one device stream for its life,
+running the jobs handed to it one at a time. The model is shared; each thread
+keeps only its own caches and buffers (inside the jobs it runs)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from .device import StreamBinding
+
+log = logging.getLogger("xllm_async.executor")
+
+
+class ExecutionSlot:
+    """One thread, one stream. Jobs are plain callables; they never touch asyncio
+    objects and hand results back through loop.call_soon_threadsafe themselves."""
+
+    def __init__(self, index: int, device: torch.device, num_slots: int) -> None:
+        self.index = index
+        self.binding = StreamBinding(device, num_slots)
+        self.busy_seconds = 0.0
+        self.jobs_run = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"xllm-slot-{index}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        log.info("execution slot %d bound to %s", self.index, self._description)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        self.binding.enter()
+        self._description = self.binding.describe()
+        self._ready.set()
+        try:
+            while (job := self._jobs.get()) is not None:
+                started = time.perf_counter()
+                try:
+                    job()
+                except Exception:  # a job maps its own failures to answers; this is a last guard
+                    log.exception("execution slot %d: job failed", self.index)
+                self.busy_seconds += time.perf_counter() - started
+                self.jobs_run += 1
+        finally:
+            self.binding.exit()
+
+
+def start_slots(device: torch.device, count: int) -> list[ExecutionSlot]:
+    slots = [ExecutionSlot(i, device, count) for i in range(count)]
+    for slot in slots:
+        slot.start()
+    return slots
