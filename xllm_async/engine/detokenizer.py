@@ -33,3 +33,12 @@ class IncrementalDetokenizer:
             self._read = len(tokens)
             return after[len(before):]
         return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (the sequence ended): emitted as decoded."""
+        if self._read == len(self._tokens):
+            return ""
+        before = self._decode(self._tokens[self._prefix:self._read], skip_special_tokens=True)
+        after = self._decode(self._tokens[self._prefix:], skip_special_tokens=True)
+        self._prefix = self._read = len(self._tokens)
+        return after[len(before):]

