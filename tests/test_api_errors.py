@@ -1,0 +1,95 @@
+"""Every validation error is a 400 (or 404/503) with an OpenAI error body, and
+the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from .client import post
+from .conftest import TINY_CONTEXT
+
+GOOD = {"prompt": [5, 6, 7], "max_tokens": 2}
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": 2}, "prompt"),
+    ({"prompt": "", "max_tokens": 2}, "prompt"),
+    ({"prompt": [], "max_tokens": 2}, "prompt"),
+    ({"prompt": [1, -1]}, "prompt"),
+    ({"prompt": [1, 10**9]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": 12}, "prompt"),
+    ({**GOOD, "max_tokens": 0}, "max_tokens"),
+    ({**GOOD, "max_tokens": "3"}, "max_tokens"),
+    ({**GOOD, "max_tokens": True}, "max_tokens"),
+    ({**GOOD, "max_tokens": 10**9}, "max_tokens"),
+    ({**GOOD, "temperature": -0.5}, "temperature"),
+    ({**GOOD, "temperature": "hot"}, "temperature"),
+    ({**GOOD, "top_p": 0}, "top_p"),
+    ({**GOOD, "top_p": 1.5}, "top_p"),
+    ({**GOOD, "top_k": -2}, "top_k"),
+    ({**GOOD, "n": 0}, "n"),
+    ({**GOOD, "n": 100000}, "n"),
+    ({**GOOD, "seed": 1.5}, "seed"),
+    ({**GOOD, "stop": 5}, "stop"),
+    ({**GOOD, "stop": [""]}, "stop"),
+    ({**GOOD, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({**GOOD, "ignore_eos": "yes"}, "ignore_eos"),
+    ({**GOOD, "stream": 1}, "stream"),
+    ({**GOOD, "stream_options": []}, "stream_options"),
+    ({**GOOD, "logprobs": 50}, "logprobs"),
+    ({"prompt": list(range(1, TINY_CONTEXT + 1))}, "prompt"),
+    ({"prompt": list(range(1, 200)), "max_tokens": 100}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
+def test_bad_completion_requests_get_400_naming_the_field(server, body, param):
+    status, answer, _ = post(server.port, "/v1/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == param
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
+
+
+BAD_CHATS = [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHATS)
+def test_bad_chat_requests_get_400_naming_the_field(server, body, param):
+    status, answer, _ = post(server.port, "/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b'"text"', b""])
+def test_body_that_is_not_a_json_object_gets_400(server, raw):
+    status, answer, _ = post(server.port, "/v1/completions", raw)
+    assert status == 400
+    assert answer["error"]["code"] == 400
+
+
+def test_unknown_model_gets_404(server):
+    status, answer, _ = post(server.port, "/v1/completions", {**GOOD, "model": "gpt-9"})
+    assert status == 404 and "gpt-9" in answer["error"]["message"]
+
+
+def test_unknown_fields_are_ignored(server):
+    status, answer, _ = post(server.port, "/v1/completions", {**GOOD, "frequency_penalty": 0, "user": "x",
+                                                              "whatever": {"a": 1}})
+    assert status == 200, answer
+
+
+def test_server_keeps_serving_after_errors(server):
+    for body, _ in BAD_COMPLETIONS[:5]:
+        post(server.port, "/v1/completions", body)
+    status, answer, _ = post(server.port, "/v1/completions", GOOD)
+    assert status == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")

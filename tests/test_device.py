@@ -1,0 +1,113 @@
+"""The device module: what can be checked without an NPU or a GPU."""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+
+import pytest
+import torch
+
+from xllm_async.runtime import device as device_mod
+from xllm_async.runtime.device import DeviceError, StreamBinding, resolve_device
+
+
+def test_torch_npu_autoload_is_off_before_torch_imports():
+    assert os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
+
+
+def test_auto_on_this_machine_is_cpu_without_torch_npu():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("spec", ["npu:0", "cuda:7"])
+def test_missing_accelerator_is_a_clear_error(spec):
+    if torch.cuda.is_available() and spec.startswith("cuda"):
+        pytest.skip("a CUDA machine")
+    with pytest.raises(DeviceError, match=spec):
+        resolve_device(spec)
+
+
+class FakeNpu:
+    """Records the torch_npu calls a slot thread makes (the documented torch.npu API)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return 2
+
+    def set_device(self, dev):
+        self.calls.append(("set_device", str(dev), threading.current_thread().name))
+
+    def Stream(self, dev):  # noqa: N802 (mirrors torch.npu.Stream)
+        fake = self
+
+        class _Stream:
+            def synchronize(self):
+                fake.calls.append(("synchronize",))
+
+        self.calls.append(("Stream", str(dev)))
+        return _Stream()
+
+    def stream(self, s):
+        import contextlib
+
+        self.calls.append(("stream",))
+        return contextlib.nullcontext()
+
+
+def test_npu_path_binds_device_and_a_stream_per_thread(monkeypatch):
+    fake = FakeNpu()
+    try:  # what importing torch_npu does first: the "npu" device type exists from then on
+        torch.utils.rename_privateuse1_backend("npu")
+    except RuntimeError:
+        pass  # renamed already in this process
+    monkeypatch.setattr(device_mod, "_npu_module", lambda: fake)
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    assert resolve_device("auto") == torch.device("npu", 0)
+    assert resolve_device("npu:1") == torch.device("npu", 1)
+    with pytest.raises(DeviceError):
+        resolve_device("npu:5")
+
+    bindings = [StreamBinding(torch.device("npu", 1), 2) for _ in range(2)]
+
+    def run(b):
+        b.enter()
+        b.synchronize()
+        b.exit()
+
+    threads = [threading.Thread(target=run, args=(b,), name=f"slot-{i}") for i, b in enumerate(bindings)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    set_calls = [c for c in fake.calls if c[0] == "set_device"]
+    assert sorted(c[2] for c in set_calls) == ["slot-0", "slot-1"]  # each thread binds itself
+    assert sum(c[0] == "Stream" for c in fake.calls) == 2  # a stream of its own each
+    assert sum(c[0] == "synchronize" for c in fake.calls) == 2
+
+
+def test_cpu_binding_splits_cores_and_enters_inference_mode():
+    seen = {}
+
+    def run():
+        b = StreamBinding(torch.device("cpu"), 2)
+        b.enter()
+        seen["threads"] = torch.get_num_threads()
+        seen["inference"] = torch.is_inference_mode_enabled()
+        b.exit()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    assert seen["inference"] is True
+    assert isinstance(device_mod, types.ModuleType)

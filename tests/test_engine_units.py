@@ -1,0 +1,110 @@
+"""Engine pieces on their own: detokenisation, stop strings, budgets, the
+left-padded cache, sampling filters."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from xllm_async.engine.budget import BatchBudget
+from xllm_async.engine.detokenizer import IncrementalDetokenizer
+from xllm_async.engine.request import EngineRequest
+from xllm_async.engine.sampling import SamplingParams, sample
+
+
+@pytest.fixture(scope="module")
+def tokenizer(reference):
+    return reference.tokenizer
+
+
+def test_detokenizer_never_splits_a_multibyte_character(tokenizer):
+    text = "naïve café 東京 🙂 done"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(t) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == text
+    # The emoji is several byte tokens: some pushes must have returned nothing.
+    assert "" in pieces
+
+
+def make_request(tokenizer, stop=(), max_tokens=50, index=0) -> EngineRequest:
+    req = EngineRequest(index, [1, 2, 3], SamplingParams(max_tokens=max_tokens, stop=tuple(stop)), sink=None)
+    req.bind(tokenizer, frozenset({151645}), 1000)
+    return req
+
+
+def test_stop_string_is_held_back_then_cut(tokenizer):
+    ids = tokenizer.encode("alpha beta STOP gamma")
+    req = make_request(tokenizer, stop=["STOP"])
+    out = ""
+    for t in ids:
+        delta = req.append(t, None)
+        out += delta.text
+        if delta.finish_reason:
+            break
+    assert req.finish_reason == "stop"
+    assert out == "alpha beta "
+
+
+def test_length_and_eos_finish(tokenizer):
+    req = make_request(tokenizer, max_tokens=2)
+    assert req.append(100, None).finish_reason is None
+    assert req.append(101, None).finish_reason == "length"
+    req = make_request(tokenizer)
+    delta = req.append(151645, None)
+    assert delta.finish_reason == "stop" and delta.text == ""
+
+
+def test_budget_takes_fifo_under_padded_tokens_and_seqs(tokenizer):
+    reqs = [EngineRequest(i, [0] * n, SamplingParams(), None) for i, n in enumerate([10, 10, 30, 5])]
+    waiting = deque(reqs)
+    batch = BatchBudget(max_seqs=8, max_tokens=60).take(waiting)
+    assert batch == reqs[:2]  # a third would pad to 3 x 30 = 90 > 60
+    assert list(waiting) == reqs[2:]
+    assert BatchBudget(max_seqs=1, max_tokens=1000).take(deque(reqs)) == reqs[:1]
+
+
+def test_budget_always_takes_one_and_drops_aborted():
+    big = EngineRequest(0, [0] * 500, SamplingParams(), None)
+    gone = EngineRequest(1, [0] * 5, SamplingParams(), None)
+    gone.aborted = True
+    waiting = deque([gone, big])
+    assert BatchBudget(max_seqs=4, max_tokens=100).take(waiting) == [big]
+    assert not waiting
+
+
+def test_kv_cache_select_and_merge_keep_rows_exact(reference):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # reuse the loaded reference model
+    runner.model, runner.config, runner.device, runner.pad_id = (reference.model, reference.model.config,
+                                                                 torch.device("cpu"), 0)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16]]
+    with torch.inference_mode():
+        logits, kv = runner.prefill(prompts, keep_cache=True)
+        one_logits, one_kv = runner.prefill(prompts[2:], keep_cache=True)
+        kv.select([0, 1])
+        kv.merge(one_kv)
+        tokens = logits.argmax(-1).tolist()[:2] + one_logits.argmax(-1).tolist()
+        merged = runner.decode(kv, tokens)
+        for row, prompt in enumerate(prompts):
+            alone = reference.model(torch.tensor([prompt + [tokens[row]]])).logits[0, -1]
+            torch.testing.assert_close(merged[row], alone.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_and_filters_in_sample():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [3.0, 0.0, 0.0, 0.0]])
+    greedy = SamplingParams(temperature=0.0)
+    tokens, logprobs = sample(logits, [greedy, greedy], [None, None])
+    assert tokens == [1, 0] and logprobs == [None, None]
+    top1 = SamplingParams(temperature=1.0, top_k=2)
+    gen = torch.Generator().manual_seed(0)
+    seen = {sample(logits[:1], [top1], [gen])[0][0] for _ in range(50)}
+    assert seen <= {1, 3} and len(seen) == 2
+    with_lp = SamplingParams(temperature=0.0, logprobs=2)
+    _, (lp,) = sample(logits[:1], [with_lp], [None])
+    assert [t for t, _ in lp.top] == [1, 3]
+    assert abs(lp.logprob - float(torch.log_softmax(logits[0], -1)[1])) < 1e-6

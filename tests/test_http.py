@@ -1,0 +1,133 @@
+"""HTTP/1.1 over raw sockets: keep-alive, HTTP/1.0, pipelining, chunked bodies,
+100-continue, limits, and the error answers of the HTTP layer."""
+
+from __future__ import annotations
+
+import socket
+
+import orjson
+
+from .client import raw_exchange, split_responses
+
+COMPLETION = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0})
+
+
+def request(method: str, path: str, body: bytes = b"", extra: str = "", version: str = "1.1") -> bytes:
+    head = f"{method} {path} HTTP/{version}\r\nhost: x\r\n{extra}"
+    if body:
+        head += f"content-length: {len(body)}\r\ncontent-type: application/json\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+def assert_error(status: int, body: bytes, expected: int) -> dict:
+    assert status == expected
+    error = orjson.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == expected and error["message"]
+    return error
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        for _ in range(3):
+            sock.sendall(request("POST", "/v1/completions", COMPLETION))
+            data = b""
+            while b"}}" not in data:
+                data += sock.recv(65536)
+            (status, body), = split_responses(data)
+            assert status == 200 and orjson.loads(body)["choices"]
+
+
+def test_pipelined_requests_answer_in_order(server):
+    data = b"".join([request("GET", "/v1/models"), request("POST", "/v1/completions", COMPLETION),
+                     request("GET", "/nope"), request("GET", "/health", extra="connection: close\r\n")])
+    responses = split_responses(raw_exchange(server.port, data))
+    assert [s for s, _ in responses] == [200, 200, 404, 200]
+    assert orjson.loads(responses[0][1])["object"] == "list"
+    assert orjson.loads(responses[1][1])["object"] == "text_completion"
+
+
+def test_pipelined_malformed_request_in_the_middle(server):
+    data = request("GET", "/health") + b"BLAH\x01 nonsense\r\n\r\n" + request("GET", "/health")
+    raw = raw_exchange(server.port, data)
+    responses = split_responses(raw)
+    assert responses[0][0] == 200
+    assert_error(*responses[1], 400)
+    assert len(responses) == 2  # the connection closed after the 400
+
+
+def test_http10_closes_after_the_response(server):
+    raw = raw_exchange(server.port, request("POST", "/v1/completions", COMPLETION, version="1.0"))
+    (status, body), = split_responses(raw)
+    assert status == 200 and b"connection: close" in raw.lower()
+
+
+def test_http10_keep_alive_when_asked(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(request("GET", "/health", extra="connection: keep-alive\r\n", version="1.0"))
+            data = sock.recv(65536)
+            assert data.startswith(b"HTTP/1.1 200") and b"connection: keep-alive" in data
+
+
+def test_chunked_request_body(server):
+    half = len(COMPLETION) // 2
+    chunks = f"{half:x}\r\n".encode() + COMPLETION[:half] + f"\r\n{len(COMPLETION) - half:x}\r\n".encode() \
+        + COMPLETION[half:] + b"\r\n0\r\n\r\n"
+    data = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+            b"connection: close\r\n\r\n" + chunks)
+    (status, body), = split_responses(raw_exchange(server.port, data))
+    assert status == 200 and orjson.loads(body)["choices"]
+
+
+def test_expect_100_continue(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                     f"content-length: {len(COMPLETION)}\r\nconnection: close\r\n\r\n".encode())
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(COMPLETION)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    (status, _), = split_responses(data)
+    assert status == 200
+
+
+def test_garbage_gets_400_and_close(server):
+    raw = raw_exchange(server.port, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http at all\r\n\r\n")
+    (status, body), = split_responses(raw)
+    assert_error(status, body, 400)
+
+
+def test_unknown_path_404_and_wrong_method_405(server):
+    (status, body), = split_responses(raw_exchange(server.port, request("GET", "/v2/x", extra="connection: close\r\n")))
+    assert_error(status, body, 404)
+    raw = raw_exchange(server.port, request("GET", "/v1/completions", extra="connection: close\r\n"))
+    (status, body), = split_responses(raw)
+    assert_error(status, body, 405)
+    assert b"allow: POST" in raw
+
+
+def test_body_over_the_limit_413(server):
+    data = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 999999999\r\n\r\n"
+    (status, body), = split_responses(raw_exchange(server.port, data))
+    assert_error(status, body, 413)
+
+
+def test_headers_too_large_431(server):
+    data = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70000 + b"\r\n\r\n"
+    (status, body), = split_responses(raw_exchange(server.port, data))
+    assert_error(status, body, 431)
+
+
+def test_content_length_with_transfer_encoding_is_refused(server):
+    data = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
+            b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n")
+    (status, body), = split_responses(raw_exchange(server.port, data))
+    assert_error(status, body, 400)
+
+
+def test_many_short_connections(server):
+    for _ in range(200):
+        raw = raw_exchange(server.port, request("GET", "/health", extra="connection: close\r\n"))
+        assert raw.startswith(b"HTTP/1.1 200")
