@@ -24,6 +24,7 @@ async def serve(settings: Settings) -> None:
     from xllm_async.api.requests import ModelInfo
     from xllm_async.engine.engine import Engine
     from xllm_async.http.server import start_http_server
+    from xllm_async.metrics import Gauge, Metrics
     from xllm_async.runtime.default_model import default_model_dir
     from xllm_async.runtime.device import DeviceError, resolve_device
     from xllm_async.runtime.executor import start_slots
@@ -46,14 +47,23 @@ async def serve(settings: Settings) -> None:
         log.info("continuous scheduler: one batch in flight on one slot (XLLM_CONCURRENT_EXECUTE_STREAM_NUM "
                  "applies to fixed_steps)")
     slots = start_slots(device, 1 if continuous else settings.concurrent_execute_stream_num)
+    metrics = Metrics()
+    metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.", lambda: runner.load_seconds))
     engine = Engine(runner, slots, settings.scheduler, settings.max_seqs_per_batch,
-                    settings.max_tokens_per_batch, settings.max_queued_requests, runner.max_model_len)
+                    settings.max_tokens_per_batch, settings.max_queued_requests, metrics)
     name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
     model = ModelInfo(name, runner.tokenizer, runner.vocab_size, runner.max_model_len, settings.max_n)
-    app = OpenAIApp(engine, model, model_dir)
+    info = {
+        "model": name, "model_path": model_dir, "device": str(device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "scheduler": settings.scheduler, "concurrent_execute_stream_num": len(slots),
+        "max_tokens_per_batch": settings.max_tokens_per_batch, "max_seqs_per_batch": settings.max_seqs_per_batch,
+        "max_model_len": runner.max_model_len, "max_queued_requests": settings.max_queued_requests,
+    }
+    app = OpenAIApp(engine, model, info, settings.access_log)
     connections: set = set()
     try:
-        server = await start_http_server(app, settings.host, settings.port, settings.max_body_bytes, connections)
+        server = await start_http_server(app, settings.host, settings.port, settings.max_body_bytes, connections,
+                                         app.on_response)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
     log.info("configuration: %s", ", ".join(f"{k}={v}" for k, v in vars(settings).items()))

@@ -34,6 +34,7 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "xllm_async")
     log_level: str = "info"
+    access_log: str = "plain"
 
 
 # --- value parsers: each returns the value or raises ValueError("what is allowed") ---
@@ -106,6 +107,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "max_body_bytes": (_int_range(1024), "largest request body in bytes (413 beyond)"),
     "cache_dir": (_text, "where the default model is converted to once"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
+    "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
 }
 
 
@@ -143,3 +145,18 @@ def options_table() -> str:
         shown = "~/.cache/xllm_async" if name == "cache_dir" else ("(unset)" if default is None else default)
         rows.append(f"| `{env_name(name)}` | `--{name.replace('_', '-')}` | `{shown}` | {help_text} |")
     return "\n".join(rows)
+
+
+def update_readme(path: str = "README.md") -> None:
+    """Rewrite the settings table between its markers in the README."""
+    with open(path) as f:
+        text = f.read()
+    start, end = "<!-- settings table -->\n", "<!-- /settings table -->"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    with open(path, "w") as f:
+        f.write(head + start + options_table() + "\n" + end + tail)
+
+
+if __name__ == "__main__":  # python -m xllm_async.config: refresh the README's table
+    update_readme()

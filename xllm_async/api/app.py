@@ -4,38 +4,55 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import orjson
 
+from .. import __version__
 from ..engine.engine import Engine, EngineFull
 from ..engine.output import OutputStream
 from ..engine.request import EngineRequest
 from ..errors import ApiError
 from ..http.protocol import HttpRequest
-from ..http.response import Responder
+from ..http.response import TEXT, Responder
+from .access_log import AccessLog, AccessRecord
 from .requests import GenerationSpec, ModelInfo, parse_chat, parse_completion, parse_json
-from .responses import DONE, ChatShape, Choice, CompletionShape
+from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
 
 log = logging.getLogger("xllm_async.api")
+
+_REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")  # echoed into a header: nothing that could break it
 
 
 class OpenAIApp:
     """The request handler the HTTP layer calls: one coroutine per request."""
 
-    def __init__(self, engine: Engine, model: ModelInfo, model_root: str) -> None:
+    def __init__(self, engine: Engine, model: ModelInfo, server_info: dict, access_log: str = "plain") -> None:
         self.engine = engine
+        self.metrics = engine.metrics
         self.model = model
-        self.model_root = model_root
-        self.created = int(time.time())
+        self.server_info = server_info
+        self.access_log = AccessLog(access_log)
+        self.started = time.time()
         self.routes = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
             "/v1/models": {"GET": self.models},
             "/health": {"GET": self.health},
+            "/metrics": {"GET": self.prometheus},
+            "/server_info": {"GET": self.info},
+            "/get_server_info": {"GET": self.info},  # the name SGLang's benchmark asks for
+            "/version": {"GET": self.version},
         }
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
+        request_id = request.headers.get("x-request-id")
+        if request_id is not None and _REQUEST_ID.match(request_id):
+            responder.headers = f"x-request-id: {request_id}\r\n".encode()
+        else:
+            request_id = None
+        responder.record = AccessRecord(request_id or new_id("req"))
         try:
             methods = self.routes.get(request.path)
             if methods is None:
@@ -54,6 +71,11 @@ class OpenAIApp:
             log.exception("%s %s failed", request.method, request.path)
             self._send_error(responder, ApiError(500, "Internal server error"))
 
+    def on_response(self, request: HttpRequest | None, responder: Responder) -> None:
+        """Told by the HTTP layer after every response: count it, log it."""
+        self.metrics.http.inc(1, str(responder.status))
+        self.access_log.write(request, responder)
+
     @staticmethod
     def _send_error(responder: Responder, error: ApiError) -> None:
         if not responder.started:
@@ -68,38 +90,52 @@ class OpenAIApp:
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
         responder.send(200, orjson.dumps({"object": "list", "data": [{
-            "id": self.model.name, "object": "model", "created": self.created, "owned_by": "xllm_async",
-            "root": self.model_root, "max_model_len": self.model.max_model_len,
+            "id": self.model.name, "object": "model", "created": int(self.started), "owned_by": "xllm_async",
+            "root": self.server_info["model_path"], "max_model_len": self.model.max_model_len,
         }]}))
+
+    async def prometheus(self, request: HttpRequest, responder: Responder) -> None:
+        responder.send(200, self.metrics.render(), content_type=TEXT)
+
+    async def info(self, request: HttpRequest, responder: Responder) -> None:
+        responder.send(200, orjson.dumps({**self.server_info, "version": __version__,
+                                          "uptime_seconds": round(time.time() - self.started, 3)}))
+
+    async def version(self, request: HttpRequest, responder: Responder) -> None:
+        responder.send(200, orjson.dumps({"version": __version__}))
 
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
         spec = parse_completion(parse_json(request.body), self.model)
-        await self._generate(spec, CompletionShape, "cmpl", responder)
+        await self._generate(request, spec, CompletionShape, "cmpl", responder)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         spec = parse_chat(parse_json(request.body), self.model)
-        await self._generate(spec, ChatShape, "chatcmpl", responder)
+        await self._generate(request, spec, ChatShape, "chatcmpl", responder)
 
     # --- generation ---
 
-    async def _generate(self, spec: GenerationSpec, shape_class, prefix: str, responder: Responder) -> None:
+    async def _generate(self, request: HttpRequest, spec: GenerationSpec, shape_class, prefix: str,
+                        responder: Responder) -> None:
         num = len(spec.prompts) * spec.n
         stream = OutputStream(num)
         requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
-        shape = shape_class(self.model.name, self.model.tokenizer, prefix,
-                            sum(len(p) for p in spec.prompts) * spec.n, spec.top_logprobs is not None)
+        prompt_tokens = sum(len(p) for p in spec.prompts) * spec.n
+        shape = shape_class(self.model.name, self.model.tokenizer, prefix, prompt_tokens,
+                            spec.top_logprobs is not None)
+        record: AccessRecord = responder.record
+        record.prompt_tokens = prompt_tokens
         try:
             self.engine.submit(requests)
         except EngineFull as exc:
             raise ApiError(503, f"Server overloaded: {exc}; retry later", headers=b"retry-after: 1\r\n") from None
         choices = [Choice() for _ in range(num)]
+        timer = _LatencyTimer(self.metrics, request.received, choices, requests, record)
         try:
             if spec.stream:
-                await self._stream(stream, shape, choices, spec.include_usage, responder)
+                await self._stream(stream, shape, choices, timer, spec.include_usage, responder)
             else:
                 while stream.unfinished:
-                    for delta in await stream.next():
-                        choices[delta.index].add(delta)
+                    timer.arrived(await stream.next())
                 failed = [c.error for c in choices if c.error]
                 if failed:
                     raise ApiError(500, f"Generation failed: {failed[0]}")
@@ -109,14 +145,15 @@ class OpenAIApp:
                 self.engine.abort(requests)
 
     @staticmethod
-    async def _stream(stream: OutputStream, shape, choices: list[Choice], include_usage: bool,
-                      responder: Responder) -> None:
+    async def _stream(stream: OutputStream, shape, choices: list[Choice], timer: "_LatencyTimer",
+                      include_usage: bool, responder: Responder) -> None:
         responder.start_stream()
         first = [True] * len(choices)
         while stream.unfinished:
             events = []
-            for delta in await stream.next():
-                choices[delta.index].add(delta)
+            deltas = await stream.next()
+            timer.arrived(deltas)
+            for delta in deltas:
                 if delta.error is not None:
                     events.append(shape.error_event(ApiError(500, f"Generation failed: {delta.error}").as_dict()))
                 elif delta.text or delta.finish_reason is not None or delta.logprobs is not None:
@@ -130,3 +167,43 @@ class OpenAIApp:
                     events.append(shape.usage_chunk(choices))
                 events.append(DONE)
                 responder.end(b"".join(events))  # the last token and [DONE] in one write
+
+
+class _LatencyTimer:
+    """Adds arriving deltas to their choices; observes queue time, TTFT, inter-token
+    and end-to-end latency; keeps the access record current (it is written the
+    moment the response is)."""
+
+    __slots__ = ("metrics", "received", "choices", "requests", "record", "last")
+
+    def __init__(self, metrics, received: float, choices: list[Choice], requests: list[EngineRequest],
+                 record: AccessRecord) -> None:
+        self.metrics = metrics
+        self.received = received
+        self.choices = choices
+        self.requests = requests
+        self.record = record
+        self.last = [0.0] * len(choices)
+
+    def arrived(self, deltas) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        record = self.record
+        for delta in deltas:
+            self.choices[delta.index].add(delta)
+            if delta.token_id is not None:
+                record.output_tokens += 1
+            last = self.last[delta.index]
+            if last:
+                metrics.itl.observe(now - last)
+            else:
+                metrics.ttft.observe(now - self.received)
+                if record.ttft is None:
+                    record.ttft = now - self.received
+                    req = self.requests[delta.index]
+                    if req.started:
+                        record.queue_time = req.started - req.arrival
+                        metrics.queue.observe(record.queue_time)
+            self.last[delta.index] = now
+            if delta.finish_reason is not None:
+                metrics.e2e.observe(now - self.received)

@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from .batch import GenerationBatch
+from .batch import GenerationBatch, fail_all
 from .budget import BatchBudget
 from .request import EngineRequest
 
@@ -22,10 +22,11 @@ class ContinuousScheduler:
     appends to `waiting` and sets `_arrived`; the thread sleeps on it when idle.
     """
 
-    def __init__(self, runner, slot, budget: BatchBudget, deliver: Callable[[list], None]) -> None:
+    def __init__(self, runner, slot, budget: BatchBudget, deliver: Callable[[list], None], metrics=None) -> None:
         self.runner = runner
         self.slot = slot
         self.budget = budget
+        self.metrics = metrics
         self.waiting: deque[EngineRequest] = deque()
         self._deliver = deliver
         self._arrived = threading.Event()
@@ -62,12 +63,14 @@ class ContinuousScheduler:
                 running = self._decode(running)
 
     def _prefill_into(self, running: GenerationBatch | None, requests: list[EngineRequest]):
-        batch = GenerationBatch(self.runner, requests)
+        batch = None
         try:
+            batch = GenerationBatch(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
         except Exception as exc:
             log.exception("prefill of %d request(s) failed", len(requests))
-            self._deliver(batch.fail(f"{type(exc).__name__}: {exc}"))
+            self._deliver(batch.fail(exc) if batch is not None else fail_all(requests, exc))
+            return running
         if not batch:
             return running
         if running is None:
@@ -80,5 +83,5 @@ class ContinuousScheduler:
             self._deliver(running.decode())
         except Exception as exc:
             log.exception("decode step of %d request(s) failed", len(running))
-            self._deliver(running.fail(f"{type(exc).__name__}: {exc}"))
+            self._deliver(running.fail(exc))
         return running if running else None

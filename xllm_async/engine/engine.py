@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..metrics import Gauge, Metrics, PerSlot
 from .budget import BatchBudget
 from .continuous import ContinuousScheduler
 from .fixed_steps import FixedStepsBatcher
-from .request import EngineRequest
+from .request import Delta, EngineRequest
 
 log = logging.getLogger("xllm_async.engine")
 
@@ -20,19 +21,29 @@ class EngineFull(Exception):
 
 class Engine:
     def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
-                 max_queued_requests: int, max_model_len: int) -> None:
+                 max_queued_requests: int, metrics: Metrics | None = None) -> None:
         self.runner = runner
         self.slots = slots
         self.scheduler_name = scheduler
         self.max_queued_requests = max_queued_requests
-        self.max_model_len = max_model_len
+        self.metrics = metrics or Metrics()
+        self.num_unfinished = 0  # admitted sequences not yet finished or aborted
         self._loop = asyncio.get_running_loop()
         budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch)
         if scheduler == "continuous":
             # One batch in flight: the continuous baseline uses the first slot only.
-            self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe)
+            self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)
         else:
-            self.scheduler = FixedStepsBatcher(runner, slots, budget, self._deliver_threadsafe, self._loop)
+            self.scheduler = FixedStepsBatcher(runner, slots, budget, self._deliver_threadsafe, self._loop,
+                                               self.metrics)
+        self.metrics.add(Gauge("num_requests_waiting", "Sequences waiting for a batch.",
+                               lambda: self.scheduler.num_waiting))
+        self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",
+                               lambda: max(0, self.num_unfinished - self.scheduler.num_waiting)))
+        self.metrics.add(PerSlot("slot_busy_seconds_total", "Seconds each execution slot spent running batches.",
+                                 "counter", lambda: [s.busy_seconds for s in slots]))
+        self.metrics.add(PerSlot("slot_batches_total", "Batches (jobs) each execution slot ran.",
+                                 "counter", lambda: [s.jobs_run for s in slots]))
         self.scheduler.start()
 
     @property
@@ -47,13 +58,16 @@ class Engine:
         """Queue the sequences of one API request; all of them or none."""
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
+        self.num_unfinished += len(requests)
         self.scheduler.add(requests)
 
-    @staticmethod
-    def abort(requests: list[EngineRequest]) -> None:
+    def abort(self, requests: list[EngineRequest]) -> None:
         """The caller is gone: skip these if waiting, drop them at the next step if running."""
         for req in requests:
-            req.aborted = True
+            if not req.done:
+                req.done = req.aborted = True
+                self.num_unfinished -= 1
+                self.metrics.finished.inc(1, "abort")
 
     async def stop(self) -> None:
         await self.scheduler.stop()
@@ -65,7 +79,12 @@ class Engine:
         if items:
             self._loop.call_soon_threadsafe(self._deliver, items)
 
-    @staticmethod
-    def _deliver(items: list) -> None:
-        for sink, delta in items:
-            sink.push(delta)
+    def _deliver(self, items: list[tuple[EngineRequest, Delta]]) -> None:
+        for req, delta in items:
+            if req.done:  # aborted while this step ran
+                continue
+            if delta.finish_reason is not None:
+                req.done = True
+                self.num_unfinished -= 1
+                self.metrics.finished.inc(1, delta.finish_reason)
+            req.sink.push(delta)

@@ -8,7 +8,7 @@ import logging
 from collections import deque
 from typing import Callable
 
-from .batch import GenerationBatch
+from .batch import GenerationBatch, fail_all
 from .budget import BatchBudget
 from .request import EngineRequest
 
@@ -26,9 +26,10 @@ class FixedStepsBatcher:
     """
 
     def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, metrics=None) -> None:
         self.runner = runner
         self.budget = budget
+        self.metrics = metrics
         self.waiting: deque[EngineRequest] = deque()
         self._deliver = deliver  # thread-safe: schedules delivery on the loop
         self._loop = loop
@@ -67,13 +68,14 @@ class FixedStepsBatcher:
 
     def _run_to_completion(self, slot, requests: list[EngineRequest]) -> None:
         """On the slot's thread: prefill, then decode rounds until every sequence is done."""
-        batch = GenerationBatch(self.runner, requests)
+        batch = None
         try:
+            batch = GenerationBatch(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
             while batch:
                 self._deliver(batch.decode())
         except Exception as exc:
             log.exception("slot %d: batch of %d failed", slot.index, len(requests))
-            self._deliver(batch.fail(f"{type(exc).__name__}: {exc}"))
+            self._deliver(batch.fail(exc) if batch is not None else fail_all(requests, exc))
         finally:
             self._loop.call_soon_threadsafe(self._free.put_nowait, slot)

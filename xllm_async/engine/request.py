@@ -31,7 +31,7 @@ class EngineRequest:
     """
 
     __slots__ = ("index", "prompt_ids", "params", "sink", "generator", "output_ids", "text", "_sent",
-                 "_detok", "_hold", "_eos", "_max_len", "finish_reason", "aborted", "arrival")
+                 "_detok", "_hold", "_eos", "_max_len", "finish_reason", "aborted", "done", "arrival", "started")
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         self.index = index  # the choice index inside its response
@@ -48,8 +48,10 @@ class EngineRequest:
         self._eos: frozenset[int] = frozenset()
         self._max_len = 0
         self.finish_reason: str | None = None
-        self.aborted = False
+        self.aborted = False  # set on the loop: the caller is gone
+        self.done = False  # set on the loop: its last delta was delivered, or it was aborted
         self.arrival = time.monotonic()
+        self.started = 0.0  # when its batch began prefill (set on the slot thread)
 
     def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         """Attach what stepping needs from the model (once, before the first step)."""

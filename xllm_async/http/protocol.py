@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import Awaitable, Callable
 
@@ -25,10 +26,10 @@ MAX_HEADERS = 100
 
 
 class HttpRequest:
-    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "http11")
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "http11", "received", "client")
 
     def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, http11: bool) -> None:
+                 keep_alive: bool, http11: bool, client: str = "") -> None:
         self.method = method
         self.path = path
         self.query = query
@@ -36,21 +37,29 @@ class HttpRequest:
         self.body = body
         self.keep_alive = keep_alive
         self.http11 = http11
+        self.received = time.monotonic()  # the whole request is in: latencies count from here
+        self.client = client
 
 
 Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
+# Told about every finished response (request is None for one we could not parse).
+ResponseListener = Callable[["HttpRequest | None", Responder], None]
 
 
 class HttpProtocol(asyncio.Protocol):
     """Parses requests off one connection and runs the handler for each in turn."""
 
-    def __init__(self, handler: Handler, connections: set, max_body_bytes: int) -> None:
+    def __init__(self, handler: Handler, connections: set, max_body_bytes: int,
+                 on_response: ResponseListener | None = None) -> None:
         self._handler = handler
+        self._on_response = on_response
+        self._request: HttpRequest | None = None
         self._connections = connections
         self._max_body = max_body_bytes
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
+        self._client = ""
         self._pipeline: deque = deque()  # HttpRequest or ApiError, waiting their turn
         self._current: Responder | None = None
         self._task: asyncio.Task | None = None
@@ -69,6 +78,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        peer = transport.get_extra_info("peername")
+        self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -141,7 +152,7 @@ class HttpProtocol(asyncio.Protocol):
         request = HttpRequest(
             parser.get_method().decode("ascii"), url.path.decode("latin-1"),
             url.query.decode("latin-1") if url.query else "", self._headers, b"".join(self._body),
-            parser.should_keep_alive(), parser.get_http_version() == "1.1",
+            parser.should_keep_alive(), parser.get_http_version() == "1.1", self._client,
         )
         self._enqueue(request)
 
@@ -168,10 +179,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def _start(self, entry) -> None:
         if isinstance(entry, ApiError):
+            self._request = None
             self._current = Responder(self, keep_alive=False, http11=True)
             self._current.send(entry.status, entry.body(), headers=entry.headers)
             return
         responder = Responder(self, entry.keep_alive and not self._stop_reading, entry.http11)
+        self._request = entry
         self._current = responder
         self._task = self._loop.create_task(self._handler(entry, responder))
         self._task.add_done_callback(lambda task: self._check_answered(task, responder))
@@ -189,7 +202,10 @@ class HttpProtocol(asyncio.Protocol):
             responder.send(500, error.body())
 
     def response_done(self, responder: Responder) -> None:
+        if self._on_response is not None:
+            self._on_response(self._request, responder)
         self._current = None
+        self._request = None
         self._task = None
         if not responder.keep_alive:
             self.close()

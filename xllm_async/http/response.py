@@ -54,7 +54,8 @@ class Responder:
     """The one response to one request: either send() once, or start_stream(),
     write()... and end(). The connection decides what happens after it."""
 
-    __slots__ = ("_conn", "keep_alive", "_chunked", "_head", "started", "finished", "status", "bytes_sent")
+    __slots__ = ("_conn", "keep_alive", "_chunked", "_head", "started", "finished", "status", "bytes_sent",
+                 "headers", "record")
 
     def __init__(self, conn, keep_alive: bool, http11: bool) -> None:
         self._conn = conn
@@ -65,11 +66,13 @@ class Responder:
         self.finished = False
         self.status = 0
         self.bytes_sent = 0
+        self.headers = b""  # header lines the handler wants on whatever response goes out
+        self.record = None  # what the handler notes for the access log
 
     def send(self, status: int, body: bytes, content_type: bytes = JSON, headers: bytes = b"") -> None:
         self.status = status
         self.started = True
-        self._finish(render(status, body, content_type, self.keep_alive, headers))
+        self._finish(render(status, body, content_type, self.keep_alive, self.headers + headers))
 
     def start_stream(self, status: int = 200, content_type: bytes = SSE, headers: bytes = b"") -> None:
         if not self._chunked:
@@ -79,7 +82,7 @@ class Responder:
         self._head = b"".join((
             STATUS_LINES[status], b"content-type: ", content_type, b"\r\ncache-control: no-cache\r\n",
             b"transfer-encoding: chunked\r\n" if self._chunked else b"", DateHeader.value,
-            KEEP_ALIVE if self.keep_alive else CLOSE, headers, b"\r\n",
+            KEEP_ALIVE if self.keep_alive else CLOSE, self.headers, headers, b"\r\n",
         ))
 
     def write(self, data: bytes) -> None:
