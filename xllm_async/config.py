@@ -33,6 +33,13 @@ class Settings:
     max_n: int = 64
     max_body_bytes: int = 16 * 1024 * 1024
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "xllm_async")
+    queue_timeout: float = 0.0
+    max_connections: int = 2048
+    read_timeout: float = 30.0
+    keep_alive_timeout: float = 30.0
+    write_timeout: float = 30.0
+    drain_timeout: float = 30.0
+    api_key: str | None = None
     log_level: str = "info"
     access_log: str = "plain"
 
@@ -52,6 +59,16 @@ def _int_range(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("a number of seconds >= 0") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("a number of seconds >= 0")
+    return value
 
 
 def _choice(*options: str) -> Callable[[str], str]:
@@ -106,6 +123,13 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "max_n": (_int_range(1, 1024), "largest `n` (choices per prompt) a request may ask for"),
     "max_body_bytes": (_int_range(1024), "largest request body in bytes (413 beyond)"),
     "cache_dir": (_text, "where the default model is converted to once"),
+    "queue_timeout": (_seconds, "a request still waiting for a batch after this many seconds gets 408; 0 = off"),
+    "max_connections": (_int_range(1), "open connections; more are answered 503 and closed"),
+    "read_timeout": (_seconds, "seconds a request may take to arrive whole (slow senders get 408)"),
+    "keep_alive_timeout": (_seconds, "seconds an idle keep-alive connection stays open"),
+    "write_timeout": (_seconds, "seconds a client may stop reading a stream before it is dropped"),
+    "drain_timeout": (_seconds, "on SIGTERM/SIGINT, seconds to finish admitted requests before exiting"),
+    "api_key": (_optional(_text), "if set, /v1/ routes need `Authorization: Bearer <key>`"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
 }
@@ -143,6 +167,7 @@ def options_table() -> str:
     for name, (_, help_text) in _OPTIONS.items():
         default = getattr(defaults, name)
         shown = "~/.cache/xllm_async" if name == "cache_dir" else ("(unset)" if default is None else default)
+        shown = "off" if name == "queue_timeout" else shown
         rows.append(f"| `{env_name(name)}` | `--{name.replace('_', '-')}` | `{shown}` | {help_text} |")
     return "\n".join(rows)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import time
@@ -23,13 +24,25 @@ from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
 log = logging.getLogger("xllm_async.api")
 
 _REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")  # echoed into a header: nothing that could break it
+# How a sequence that ended without finishing is answered.
+_FAILURES = {"error": 500, "timeout": 408, "shutdown": 503}
+
+
+def failure(choices: list[Choice]) -> ApiError | None:
+    for choice in choices:
+        if choice.error is not None:
+            return ApiError(_FAILURES.get(choice.finish_reason, 500), choice.error)
+    return None
 
 
 class OpenAIApp:
     """The request handler the HTTP layer calls: one coroutine per request."""
 
-    def __init__(self, engine: Engine, model: ModelInfo, server_info: dict, access_log: str = "plain") -> None:
+    def __init__(self, engine: Engine, model: ModelInfo, server_info: dict, access_log: str = "plain",
+                 api_key: str | None = None) -> None:
         self.engine = engine
+        self.api_key = api_key.encode() if api_key else None
+        self.draining = False  # shutting down: /health says 503 so that balancers stop sending
         self.metrics = engine.metrics
         self.model = model
         self.server_info = server_info
@@ -62,6 +75,8 @@ class OpenAIApp:
                 allowed = ", ".join(methods)
                 raise ApiError(405, f"Method {request.method} not allowed on {request.path}; use {allowed}",
                                headers=f"allow: {allowed}\r\n".encode())
+            if self.api_key is not None and request.path.startswith("/v1/"):
+                self._authorize(request)
             await handler(request, responder)
         except ApiError as error:
             self._send_error(responder, error)
@@ -76,6 +91,14 @@ class OpenAIApp:
         self.metrics.http.inc(1, str(responder.status))
         self.access_log.write(request, responder)
 
+    def _authorize(self, request: HttpRequest) -> None:
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        # compare_digest takes the same time wherever the first difference is.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
+            raise ApiError(401, "Missing or invalid API key (Authorization: Bearer <key>)",
+                           headers=b"www-authenticate: Bearer\r\n")
+
     @staticmethod
     def _send_error(responder: Responder, error: ApiError) -> None:
         if not responder.started:
@@ -86,7 +109,10 @@ class OpenAIApp:
     # --- routes ---
 
     async def health(self, request: HttpRequest, responder: Responder) -> None:
-        responder.send(200, b"")
+        if self.draining:
+            responder.send(503, ApiError(503, "Shutting down").body())
+        else:
+            responder.send(200, b"")
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
         responder.send(200, orjson.dumps({"object": "list", "data": [{
@@ -124,6 +150,8 @@ class OpenAIApp:
                             spec.top_logprobs is not None)
         record: AccessRecord = responder.record
         record.prompt_tokens = prompt_tokens
+        if self.draining:
+            raise ApiError(503, "Server is shutting down", headers=b"retry-after: 1\r\n")
         try:
             self.engine.submit(requests)
         except EngineFull as exc:
@@ -136,9 +164,9 @@ class OpenAIApp:
             else:
                 while stream.unfinished:
                     timer.arrived(await stream.next())
-                failed = [c.error for c in choices if c.error]
-                if failed:
-                    raise ApiError(500, f"Generation failed: {failed[0]}")
+                error = failure(choices)
+                if error is not None:
+                    raise error
                 responder.send(200, shape.response(choices))
         finally:
             if stream.unfinished:  # the client went away (or we failed): stop spending compute
@@ -155,7 +183,8 @@ class OpenAIApp:
             timer.arrived(deltas)
             for delta in deltas:
                 if delta.error is not None:
-                    events.append(shape.error_event(ApiError(500, f"Generation failed: {delta.error}").as_dict()))
+                    error = ApiError(_FAILURES.get(delta.finish_reason, 500), delta.error)
+                    events.append(shape.error_event(error.as_dict()))
                 elif delta.text or delta.finish_reason is not None or delta.logprobs is not None:
                     events.append(shape.chunk(delta, first[delta.index]))
                     first[delta.index] = False

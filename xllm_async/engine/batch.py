@@ -94,5 +94,5 @@ class GenerationBatch:
 
 
 def fail_all(requests: list[EngineRequest], exc: Exception) -> Items:
-    message = f"{type(exc).__name__}: {exc}"
+    message = f"Generation failed: {type(exc).__name__}: {exc}"
     return [(r, r.fail(message)) for r in requests]

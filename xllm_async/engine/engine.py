@@ -21,13 +21,14 @@ class EngineFull(Exception):
 
 class Engine:
     def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
-                 max_queued_requests: int, metrics: Metrics | None = None) -> None:
+                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
         self.runner = runner
         self.slots = slots
         self.scheduler_name = scheduler
         self.max_queued_requests = max_queued_requests
+        self.queue_timeout = queue_timeout  # 0 = a request may wait as long as it takes
         self.metrics = metrics or Metrics()
-        self.num_unfinished = 0  # admitted sequences not yet finished or aborted
+        self.unfinished: set[EngineRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
         budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch)
         if scheduler == "continuous":
@@ -39,7 +40,7 @@ class Engine:
         self.metrics.add(Gauge("num_requests_waiting", "Sequences waiting for a batch.",
                                lambda: self.scheduler.num_waiting))
         self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",
-                               lambda: max(0, self.num_unfinished - self.scheduler.num_waiting)))
+                               lambda: max(0, len(self.unfinished) - self.scheduler.num_waiting)))
         self.metrics.add(PerSlot("slot_busy_seconds_total", "Seconds each execution slot spent running batches.",
                                  "counter", lambda: [s.busy_seconds for s in slots]))
         self.metrics.add(PerSlot("slot_batches_total", "Batches (jobs) each execution slot ran.",
@@ -58,16 +59,36 @@ class Engine:
         """Queue the sequences of one API request; all of them or none."""
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
-        self.num_unfinished += len(requests)
+        self.unfinished.update(requests)
         self.scheduler.add(requests)
+        if self.queue_timeout:
+            self._loop.call_later(self.queue_timeout, self._expire, requests)
 
     def abort(self, requests: list[EngineRequest]) -> None:
         """The caller is gone: skip these if waiting, drop them at the next step if running."""
         for req in requests:
-            if not req.done:
-                req.done = req.aborted = True
-                self.num_unfinished -= 1
-                self.metrics.finished.inc(1, "abort")
+            self._end(req, "abort")
+
+    def end_all(self, reason: str, message: str) -> None:
+        """Answer every unfinished sequence now with this reason (the server is going away)."""
+        for req in list(self.unfinished):
+            if self._end(req, reason):
+                req.sink.push(Delta(req.index, "", None, None, reason, message))
+
+    def _expire(self, requests: list[EngineRequest]) -> None:
+        # Only sequences that never started: one that runs is answered in full.
+        message = f"Request waited more than {self.queue_timeout} s for a batch"
+        for req in requests:
+            if not req.started and self._end(req, "timeout"):
+                req.sink.push(Delta(req.index, "", None, None, "timeout", message))
+
+    def _end(self, req: EngineRequest, reason: str) -> bool:
+        if req.done:
+            return False
+        req.done = req.aborted = True  # a scheduler skips it, a batch drops it at the next step
+        self.unfinished.discard(req)
+        self.metrics.finished.inc(1, reason)
+        return True
 
     async def stop(self) -> None:
         await self.scheduler.stop()
@@ -85,6 +106,6 @@ class Engine:
                 continue
             if delta.finish_reason is not None:
                 req.done = True
-                self.num_unfinished -= 1
+                self.unfinished.discard(req)
                 self.metrics.finished.inc(1, delta.finish_reason)
             req.sink.push(delta)

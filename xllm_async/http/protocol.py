@@ -16,13 +16,27 @@ from typing import Awaitable, Callable
 import httptools
 
 from ..errors import ApiError
-from .response import CONTINUE, Responder
+from .response import CONTINUE, JSON, Responder, render
 
 log = logging.getLogger("xllm_async.http")
 
 MAX_PIPELINED = 32  # unanswered requests per connection before we stop reading
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
+
+
+class HttpLimits:
+    """Sizes and timeouts that protect the server from its clients."""
+
+    __slots__ = ("max_body", "max_connections", "read_timeout", "keep_alive_timeout", "write_timeout")
+
+    def __init__(self, max_body: int = 16 << 20, max_connections: int = 2048, read_timeout: float = 30.0,
+                 keep_alive_timeout: float = 30.0, write_timeout: float = 30.0) -> None:
+        self.max_body = max_body
+        self.max_connections = max_connections
+        self.read_timeout = read_timeout  # a request must arrive whole within this (slowloris)
+        self.keep_alive_timeout = keep_alive_timeout  # an idle connection is closed after this
+        self.write_timeout = write_timeout  # a client that stops reading a stream is dropped after this
 
 
 class HttpRequest:
@@ -49,13 +63,17 @@ ResponseListener = Callable[["HttpRequest | None", Responder], None]
 class HttpProtocol(asyncio.Protocol):
     """Parses requests off one connection and runs the handler for each in turn."""
 
-    def __init__(self, handler: Handler, connections: set, max_body_bytes: int,
+    def __init__(self, handler: Handler, connections: set, limits: HttpLimits,
                  on_response: ResponseListener | None = None) -> None:
         self._handler = handler
         self._on_response = on_response
         self._request: HttpRequest | None = None
         self._connections = connections
-        self._max_body = max_body_bytes
+        self._limits = limits
+        self._max_body = limits.max_body
+        # One deadline, checked by the server's once-a-second sweep instead of a timer per request.
+        self._deadline = 0.0
+        self._deadline_kind = ""
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
@@ -78,12 +96,21 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        if len(self._connections) >= self._limits.max_connections:
+            # Refuse cleanly and cheaply rather than let connections starve the loop.
+            error = ApiError(503, "Too many open connections; retry later")
+            transport.write(render(503, error.body(), JSON, False, b"retry-after: 1\r\n"))
+            transport.close()
+            self.closed = True
+            return
         peer = transport.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
         self._connections.add(self)
+        self._set_deadline("idle", self._limits.keep_alive_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._deadline_kind = ""
         self._connections.discard(self)
         self._pipeline.clear()
         if self._task is not None and not self._task.done():
@@ -105,14 +132,33 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
+        self._set_deadline("write", self._limits.write_timeout)
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        self._deadline_kind = ""
         self._wake_writer()
+
+    # --- deadlines ---
+
+    def _set_deadline(self, kind: str, seconds: float) -> None:
+        self._deadline_kind = kind
+        self._deadline = time.monotonic() + seconds
+
+    def check_deadline(self, now: float) -> None:
+        """Called once a second by the server: act on an expired deadline."""
+        if not self._deadline_kind or now < self._deadline or self.closed:
+            return
+        kind, self._deadline_kind = self._deadline_kind, ""
+        if kind == "read":
+            self._fail(ApiError(408, f"Request not received within {self._limits.read_timeout} s"))
+        else:  # idle keep-alive, or a client that stopped reading its stream
+            self.close()
 
     # --- httptools callbacks: collect only ---
 
     def on_message_begin(self) -> None:
+        self._set_deadline("read", self._limits.read_timeout)
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
@@ -147,6 +193,7 @@ class HttpProtocol(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._deadline_kind = ""  # the handler owns the time from here
         parser = self._parser
         url = httptools.parse_url(self._url)
         request = HttpRequest(
@@ -212,6 +259,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._pipeline:
             self._start(self._pipeline.popleft())
+        elif not self._deadline_kind:
+            self._set_deadline("idle", self._limits.keep_alive_timeout)
         if self._reading_paused and len(self._pipeline) < MAX_PIPELINED // 2:
             self._reading_paused = False
             self._transport.resume_reading()

@@ -3,7 +3,6 @@ refreshed once a second, and the per-request Responder the handler writes to."""
 
 from __future__ import annotations
 
-import asyncio
 import http
 import time
 from email.utils import formatdate
@@ -19,23 +18,13 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class DateHeader:
-    """`date: ...\\r\\n`, rebuilt once a second by a loop timer instead of per response."""
+    """`date: ...\\r\\n`, rebuilt once a second by the server's tick instead of per response."""
 
     value = b""
 
     @classmethod
     def refresh(cls) -> None:
         cls.value = b"date: " + formatdate(time.time(), usegmt=True).encode() + b"\r\n"
-
-    @classmethod
-    def start(cls, loop: asyncio.AbstractEventLoop) -> None:
-        cls.refresh()
-
-        def tick() -> None:
-            cls.refresh()
-            loop.call_later(1.0, tick)
-
-        loop.call_later(1.0, tick)
 
 
 DateHeader.refresh()

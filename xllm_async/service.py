@@ -1,0 +1,97 @@
+"""The running server as one object: builds the parts from Settings, starts
+them, drains and stops them. server.py and in-process tests both use it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from .api.app import OpenAIApp
+from .api.requests import ModelInfo
+from .config import ConfigError, Settings
+from .engine.engine import Engine
+from .http.protocol import HttpLimits
+from .http.server import HttpServer
+from .metrics import Gauge, Metrics
+from .runtime.default_model import default_model_dir
+from .runtime.device import DeviceError, resolve_device
+from .runtime.executor import start_slots
+from .runtime.model_runner import ModelRunner
+
+log = logging.getLogger("xllm_async.server")
+
+
+class Service:
+    def __init__(self, settings: Settings, runner: ModelRunner | None = None) -> None:
+        """Load the model (unless one is given) and start the execution slots.
+        Must run inside the event loop that will serve."""
+        self.settings = settings
+        try:
+            device = resolve_device(settings.devices)
+        except DeviceError as exc:
+            raise ConfigError(str(exc)) from None
+        model_dir = settings.model or default_model_dir(settings.cache_dir)
+        self.runner = runner or ModelRunner(model_dir, device, settings.dtype)
+        if settings.max_model_len is not None:
+            if settings.max_model_len > self.runner.max_model_len:
+                raise ConfigError(f"invalid XLLM_MAX_MODEL_LEN={settings.max_model_len}: "
+                                  f"expected at most the model's {self.runner.max_model_len}")
+            self.runner.max_model_len = settings.max_model_len
+
+        continuous = settings.scheduler == "continuous"
+        if continuous and settings.concurrent_execute_stream_num != 1:
+            log.info("continuous scheduler: one batch in flight on one slot "
+                     "(XLLM_CONCURRENT_EXECUTE_STREAM_NUM applies to fixed_steps)")
+        self.slots = start_slots(self.runner.device, 1 if continuous else settings.concurrent_execute_stream_num)
+        self.metrics = Metrics()
+        self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
+                               lambda: self.runner.load_seconds))
+        self.engine = Engine(self.runner, self.slots, settings.scheduler, settings.max_seqs_per_batch,
+                             settings.max_tokens_per_batch, settings.max_queued_requests, self.metrics,
+                             settings.queue_timeout)
+        self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        model = ModelInfo(self.name, self.runner.tokenizer, self.runner.vocab_size, self.runner.max_model_len,
+                          settings.max_n)
+        info = {
+            "model": self.name, "model_path": model_dir, "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).removeprefix("torch."), "scheduler": settings.scheduler,
+            "concurrent_execute_stream_num": len(self.slots),
+            "max_tokens_per_batch": settings.max_tokens_per_batch,
+            "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,
+            "max_queued_requests": settings.max_queued_requests,
+        }
+        self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key)
+        limits = HttpLimits(settings.max_body_bytes, settings.max_connections, settings.read_timeout,
+                            settings.keep_alive_timeout, settings.write_timeout)
+        self.http = HttpServer(self.app, limits, self.app.on_response)
+
+    async def start(self) -> None:
+        s = self.settings
+        try:
+            await self.http.start(s.host, s.port)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {s.host}:{s.port}: {exc.strerror}") from None
+        shown = {k: ("***" if k == "api_key" and v else v) for k, v in vars(s).items()}
+        log.info("configuration: %s", ", ".join(f"{k}={v}" for k, v in shown.items()))
+        log.info("serving %s on http://%s:%d (%s scheduler, %d slot(s), device %s)", self.name, s.host,
+                 self.http.port, s.scheduler, len(self.slots), self.runner.device)
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let what was admitted finish within the drain time,
+        answer the rest with a clear error, then stop the slots."""
+        log.info("shutting down: no new connections; draining for up to %.0f s", self.settings.drain_timeout)
+        self.app.draining = True
+        self.http.stop_accepting()
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while (self.engine.unfinished or self.http.busy) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.engine.unfinished:
+            log.warning("drain time over: answering %d unfinished sequence(s) with an error",
+                        len(self.engine.unfinished))
+            self.engine.end_all("shutdown", "Server shut down before this request could finish")
+            await asyncio.sleep(0.05)  # let the handlers write those answers
+        self.http.close_all()
+        await self.engine.stop()
+        log.info("stopped")
