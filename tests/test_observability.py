@@ -19,10 +19,12 @@ def scrape(port: int) -> dict:
     return {f.name: f for f in text_string_to_metric_families(body.decode())}
 
 
-def sample_value(families: dict, family: str, sample: str, **labels) -> float:
+def sample_value(families: dict, family: str, sample: str, default: float | None = None, **labels) -> float:
     for s in families[family].samples:
         if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
             return s.value
+    if default is not None:  # a labelled counter has no sample until its first increment
+        return default
     raise KeyError((family, sample, labels))
 
 

@@ -5,6 +5,7 @@ and merged into the running batch; finished ones leave after every step."""
 from __future__ import annotations
 
 import logging
+import time
 import threading
 from collections import deque
 from typing import Callable
@@ -57,10 +58,13 @@ class ContinuousScheduler:
                     self._arrived.wait()
                     continue
             new = self.budget.take(self.waiting, len(running) if running else 0)
+            started = time.perf_counter()
             if new:
                 running = self._prefill_into(running, new)
+                self.slot.batches_run += 1
             elif running is not None:
                 running = self._decode(running)
+            self.slot.busy_seconds += time.perf_counter() - started
 
     def _prefill_into(self, running: GenerationBatch | None, requests: list[EngineRequest]):
         batch = None

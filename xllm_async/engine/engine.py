@@ -43,8 +43,8 @@ class Engine:
                                lambda: max(0, len(self.unfinished) - self.scheduler.num_waiting)))
         self.metrics.add(PerSlot("slot_busy_seconds_total", "Seconds each execution slot spent running batches.",
                                  "counter", lambda: [s.busy_seconds for s in slots]))
-        self.metrics.add(PerSlot("slot_batches_total", "Batches (jobs) each execution slot ran.",
-                                 "counter", lambda: [s.jobs_run for s in slots]))
+        self.metrics.add(PerSlot("slot_batches_total", "Prefill batches each execution slot ran.",
+                                 "counter", lambda: [s.batches_run for s in slots]))
         self.scheduler.start()
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import Callable
 
@@ -69,6 +70,7 @@ class FixedStepsBatcher:
     def _run_to_completion(self, slot, requests: list[EngineRequest]) -> None:
         """On the slot's thread: prefill, then decode rounds until every sequence is done."""
         batch = None
+        started = time.perf_counter()
         try:
             batch = GenerationBatch(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
@@ -78,4 +80,6 @@ class FixedStepsBatcher:
             log.exception("slot %d: batch of %d failed", slot.index, len(requests))
             self._deliver(batch.fail(exc) if batch is not None else fail_all(requests, exc))
         finally:
+            slot.busy_seconds += time.perf_counter() - started
+            slot.batches_run += 1
             self._loop.call_soon_threadsafe(self._free.put_nowait, slot)

@@ -100,8 +100,10 @@ class HttpProtocol(asyncio.Protocol):
             # Refuse cleanly and cheaply rather than let connections starve the loop.
             error = ApiError(503, "Too many open connections; retry later")
             transport.write(render(503, error.body(), JSON, False, b"retry-after: 1\r\n"))
-            transport.close()
-            self.closed = True
+            # Like _linger: end our side, ignore the request, close shortly (not tracked by the sweep).
+            self._stop_reading = self.closed = True
+            transport.write_eof()
+            self._loop.call_later(1.0, transport.abort)
             return
         peer = transport.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
@@ -152,7 +154,10 @@ class HttpProtocol(asyncio.Protocol):
         kind, self._deadline_kind = self._deadline_kind, ""
         if kind == "read":
             self._fail(ApiError(408, f"Request not received within {self._limits.read_timeout} s"))
-        else:  # idle keep-alive, or a client that stopped reading its stream
+        elif kind == "write":  # the client stopped reading: drop what is buffered, close() would wait for it
+            self.closed = True
+            self._transport.abort()
+        else:  # an idle keep-alive connection
             self.close()
 
     # --- httptools callbacks: collect only ---
@@ -255,7 +260,10 @@ class HttpProtocol(asyncio.Protocol):
         self._request = None
         self._task = None
         if not responder.keep_alive:
-            self.close()
+            if self._stop_reading and self._transport.can_write_eof():
+                self._linger()
+            else:
+                self.close()
             return
         if self._pipeline:
             self._start(self._pipeline.popleft())
@@ -289,6 +297,13 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 self._writable.set_result(None)
         self._writable = None
+
+    def _linger(self) -> None:
+        """Close after an error while the client may still be sending: closing
+        with unread input would send a reset that can destroy our answer, so
+        end our side, discard what still comes, and close soon after."""
+        self._transport.write_eof()
+        self._set_deadline("idle", 2.0)
 
     def close(self) -> None:
         if not self.closed:

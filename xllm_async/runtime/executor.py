@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -24,8 +23,9 @@ class ExecutionSlot:
     def __init__(self, index: int, device: torch.device, num_slots: int) -> None:
         self.index = index
         self.binding = StreamBinding(device, num_slots)
+        # Written by the scheduler code running on this thread; read when metrics are scraped.
         self.busy_seconds = 0.0
-        self.jobs_run = 0
+        self.batches_run = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"xllm-slot-{index}", daemon=True)
@@ -48,13 +48,10 @@ class ExecutionSlot:
         self._ready.set()
         try:
             while (job := self._jobs.get()) is not None:
-                started = time.perf_counter()
                 try:
                     job()
                 except Exception:  # a job maps its own failures to answers; this is a last guard
                     log.exception("execution slot %d: job failed", self.index)
-                self.busy_seconds += time.perf_counter() - started
-                self.jobs_run += 1
         finally:
             self.binding.exit()
 

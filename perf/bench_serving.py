@@ -1,0 +1,723 @@
+"""Serving benchmark: random prompts of exact token lengths sent to any OpenAI-compatible
+server (xllm_async, vLLM, SGLang), reported in the "Serving Benchmark Result" table that
+vLLM's and SGLang's bench_serving print, so the numbers line up side by side.
+
+    python perf/bench_serving.py --random-input 1024 --random-output 128 --num-prompts 200 \\
+        --max-concurrency 32 --output-file perf/results/bench.jsonl
+
+Dataset. Prompt and output lengths are drawn uniformly from [len * ratio, len]
+(`--random-range-ratio`, default 1.0: every prompt has exactly the asked length; SGLang's
+default is 0.0). A prompt is a list of random ordinary (non-special) token ids of the served
+model's tokenizer, read from a local folder: nothing is downloaded. `--prompt-format ids`
+sends the ids as `prompt`; `--prompt-format text` sends text that the tokenizer encodes to
+exactly the drawn number of tokens (see `text_of_length`), which chat needs. The count is
+the prompt's own tokens: a tokenizer that prepends BOS, or a chat template, adds its tokens
+on the server. Every request asks `max_tokens` = its drawn output length with
+`ignore_eos: true` and `temperature: 0`, so outputs have the asked length.
+
+Timing (perf_counter, from just before the request is written):
+- TTFT: until the first SSE event carrying non-empty text (`choices[0].text`, or
+  `choices[0].delta.content` on chat); without streaming, the whole latency;
+- ITL: the gaps between successive events carrying text;
+- TPOT: (latency - TTFT) / (output tokens - 1), for requests with more than one token;
+- output tokens: `usage.completion_tokens` (streams ask for it with
+  `stream_options.include_usage`); "retokenized" counts the returned text with the tokenizer;
+- Concurrency: the sum of the latencies over the duration.
+
+A request fails on a status other than 200, a broken connection, an error event, or a stream
+that ends without `[DONE]`. Failures are counted and the first error is printed; every other
+figure is computed over the successful requests.
+
+HTTP is a small HTTP/1.1 client over asyncio streams (Content-Length, chunked and
+read-until-close bodies, keep-alive): one connection per concurrent worker, and no
+dependency beyond the standard library and numpy. Sweeps reuse `benchmark()` in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
+
+import numpy as np
+
+try:  # orjson parses the many small SSE events several times faster: the client must not be the bottleneck
+    from orjson import loads as json_loads
+except ImportError:
+    from json import loads as json_loads
+
+# --- dataset ---------------------------------------------------------------------------------
+
+TEXT_ROUNDS = 10  # decode -> encode -> cut/pad rounds before starting over; two suffice almost always
+TEXT_ATTEMPTS = 10  # fresh starts before giving up
+
+
+class Prompt(NamedTuple):
+    """One request of the dataset: token ids or text, its token count, the output tokens to ask for."""
+
+    prompt: list[int] | str
+    prompt_len: int
+    output_len: int
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved in a local model folder (never downloaded)."""
+    from transformers import AutoTokenizer  # heavy: imported only when a dataset is built
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def ordinary_token_ids(tokenizer) -> list[int]:
+    """The base vocabulary without special tokens: a random <|im_end|> would mean something."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(tokenizer.vocab_size) if i not in special]
+
+
+def draw_length(rng: random.Random, length: int, range_ratio: float) -> int:
+    return rng.randint(max(int(length * range_ratio), 1), length)
+
+
+def text_of_length(tokenizer, ids: list[int], vocab: list[int], rng: random.Random) -> str:
+    """Text that the tokenizer encodes to exactly len(ids) tokens.
+
+    Random ids rarely survive decode -> encode (byte-level pieces merge or split), so the
+    re-encoded ids are cut to the length, or padded with fresh random ids, and decoded again
+    until the count holds. If a text never settles, start over from new random ids.
+    """
+    target = len(ids)
+    for _ in range(TEXT_ATTEMPTS):
+        for _ in range(TEXT_ROUNDS):
+            text = tokenizer.decode(ids)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) == target:
+                return text
+            ids = ids[:target] + rng.choices(vocab, k=max(target - len(ids), 0))
+        ids = rng.choices(vocab, k=target)
+    raise ValueError(f"found no text of exactly {target} tokens in {TEXT_ATTEMPTS} attempts")
+
+
+def make_random_prompts(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 1.0,
+                        seed: int = 0, prompt_format: str = "ids") -> list[Prompt]:
+    """num prompts of random ordinary tokens; the same seed gives the same prompts."""
+    if prompt_format not in ("ids", "text"):
+        raise ValueError(f"prompt_format must be 'ids' or 'text', got {prompt_format!r}")
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"range_ratio must be within [0, 1], got {range_ratio}")
+    rng = random.Random(seed)
+    vocab = ordinary_token_ids(tokenizer)
+    prompts = []
+    for _ in range(num):
+        prompt_len = draw_length(rng, input_len, range_ratio)
+        out_len = draw_length(rng, output_len, range_ratio)
+        ids = rng.choices(vocab, k=prompt_len)
+        prompt = ids if prompt_format == "ids" else text_of_length(tokenizer, ids, vocab, rng)
+        prompts.append(Prompt(prompt, prompt_len, out_len))
+    return prompts
+
+
+# --- HTTP/1.1 client -------------------------------------------------------------------------
+
+
+class HttpError(Exception):
+    """The server or the connection broke HTTP/1.1: the request fails and the connection is dropped."""
+
+
+class _StaleConnection(Exception):
+    """A kept-alive connection was closed before any byte of the response came back."""
+
+
+class HttpResponse:
+    """Status, headers, and the body as an async iterator of pieces in the order they arrive."""
+
+    __slots__ = ("chunks", "headers", "status")
+
+    def __init__(self, status: int, headers: dict[str, str], chunks: AsyncIterator[bytes]) -> None:
+        self.status = status
+        self.headers = headers
+        self.chunks = chunks
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.chunks])
+
+
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection, opened on first use; its requests go one after another.
+
+    The body of a response must be read to its end before the next request; one that was not
+    leaves the connection out of step, and the next request opens a fresh one.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._busy = False  # a response is still being read
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> HttpResponse:
+        if self._busy:
+            self.close()
+        if self._writer is not None:
+            try:
+                return await self._exchange(method, path, body)
+            except _StaleConnection:  # the server dropped the idle connection: resend once on a new one
+                self.close()
+        self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            return await self._exchange(method, path, body)
+        except _StaleConnection:
+            raise HttpError("connection closed before the response") from None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+        self._busy = False
+
+    async def _exchange(self, method: str, path: str, body: bytes) -> HttpResponse:
+        head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+        try:
+            self._writer.write(head + body)
+            await self._writer.drain()
+            status_line = await self._reader.readline()
+        except ConnectionError:
+            raise _StaleConnection from None
+        if not status_line:
+            raise _StaleConnection
+        self._busy = True
+        status, http11 = parse_status_line(status_line)
+        headers = await self._read_headers()
+        keep_alive = http11 and headers.get("connection", "").lower() != "close"
+        return HttpResponse(status, headers, self._body(headers, keep_alive))
+
+    async def _read_headers(self) -> dict[str, str]:
+        headers = {}
+        while (line := await self._reader.readline()) not in (b"\r\n", b"\n"):
+            if not line:
+                raise HttpError("connection closed inside the response headers")
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        return headers
+
+    async def _body(self, headers: dict[str, str], keep_alive: bool) -> AsyncIterator[bytes]:
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            pieces = self._chunked_body()
+        elif "content-length" in headers:
+            pieces = self._sized_body(int(headers["content-length"]))
+        else:  # no length given: the body runs until the server closes
+            pieces, keep_alive = self._body_until_close(), False
+        async for piece in pieces:
+            yield piece
+        self._busy = False
+        if not keep_alive:
+            self.close()
+
+    async def _chunked_body(self) -> AsyncIterator[bytes]:
+        while True:
+            size_line = await self._reader.readline()
+            try:
+                size = int(size_line.split(b";", 1)[0], 16)
+            except ValueError:
+                raise HttpError(f"bad chunk size line {size_line[:40]!r}") from None
+            if size == 0:
+                while (await self._reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass  # trailer fields: nothing we use
+                return
+            yield await self._reader.readexactly(size)
+            await self._reader.readexactly(2)  # the CRLF after the chunk
+
+    async def _sized_body(self, remaining: int) -> AsyncIterator[bytes]:
+        while remaining:
+            piece = await self._reader.read(min(remaining, 1 << 16))
+            if not piece:
+                raise HttpError("connection closed inside the response body")
+            remaining -= len(piece)
+            yield piece
+
+    async def _body_until_close(self) -> AsyncIterator[bytes]:
+        while piece := await self._reader.read(1 << 16):
+            yield piece
+
+
+def parse_status_line(line: bytes) -> tuple[int, bool]:
+    """(status, whether the server speaks HTTP/1.1) from `HTTP/1.1 200 OK`."""
+    parts = line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise HttpError(f"bad status line {line[:80]!r}")
+    return int(parts[1]), parts[0] != b"HTTP/1.0"
+
+
+class SseParser:
+    """Splits a byte stream into the data of Server-Sent Events, whatever the piece boundaries."""
+
+    __slots__ = ("_buffer", "_data")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[bytes] = []
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        """The data of each event that this piece completed."""
+        *lines, self._buffer = (self._buffer + piece).split(b"\n")
+        events = []
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if not line:  # a blank line ends an event
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+            # comments and the event/id/retry fields carry nothing we measure
+        return events
+
+
+# --- one request -----------------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    """What one request measured; times in seconds from just before the request was written."""
+
+    success: bool = False
+    latency: float = 0.0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    output_len: int | None = 0  # None: the server sent no usage; count_retokenized fills it in
+    retokenized_len: int = 0
+    generated_text: str = ""
+    error: str = ""
+
+
+def is_chat(endpoint: str) -> bool:
+    return endpoint.rstrip("/").endswith("chat/completions")
+
+
+def request_body(prompt: Prompt, *, model: str, chat: bool, stream: bool) -> bytes:
+    body: dict[str, Any] = {"model": model, "max_tokens": prompt.output_len, "temperature": 0.0,
+                            "ignore_eos": True, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt.prompt}]
+    else:
+        body["prompt"] = prompt.prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body).encode()
+
+
+def event_text(event: dict, chat: bool) -> str:
+    """The text a streamed chunk carries ('' for role-only, finish and usage chunks)."""
+    choices = event.get("choices")
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def whole_text(response: dict, chat: bool) -> str:
+    choice = response["choices"][0]
+    return (choice["message"].get("content") or "") if chat else (choice.get("text") or "")
+
+
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI error body (or the start of whatever the body is)."""
+    try:
+        error = json_loads(body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return body[:200].decode("utf-8", "replace")
+
+
+async def send_request(conn: HttpConnection, path: str, body: bytes, prompt_len: int, *,
+                       chat: bool, stream: bool) -> RequestResult:
+    """One request, timed; any failure becomes the result's error, never an exception."""
+    result = RequestResult(prompt_len=prompt_len)
+    start = time.perf_counter()
+    try:
+        response = await conn.request("POST", path, body)
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {error_message(await response.read())}"
+        elif stream:
+            await read_stream(response, result, start, chat)
+        else:
+            whole = json_loads(await response.read())
+            result.generated_text = whole_text(whole, chat)
+            result.output_len = (whole.get("usage") or {}).get("completion_tokens")
+    except Exception as exc:  # noqa: BLE001  (whatever broke, the request fails with the reason)
+        conn.close()
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - start
+    if not result.ttft:  # not streamed, or no text came: the first text arrived with the end
+        result.ttft = result.latency
+    result.success = not result.error
+    return result
+
+
+async def read_stream(response: HttpResponse, result: RequestResult, start: float, chat: bool) -> None:
+    """Reads SSE events to the end, filling in the timings, text, usage or the first error."""
+    parser = SseParser()
+    parts: list[str] = []
+    last = start
+    done = False
+    async for piece in response.chunks:
+        now = time.perf_counter()  # events in one piece arrived together
+        for data in parser.feed(piece):
+            if data == b"[DONE]":
+                done = True
+                continue
+            event = json_loads(data)
+            if "error" in event:
+                # keep reading: the stream still ends properly and the connection stays usable
+                result.error = result.error or f"error event: {error_message(data)}"
+                continue
+            if event.get("usage"):
+                result.output_len = event["usage"].get("completion_tokens")
+            text = event_text(event, chat)
+            if text:
+                if parts:
+                    result.itl.append(now - last)
+                else:
+                    result.ttft = now - start
+                last = now
+                parts.append(text)
+    result.generated_text = "".join(parts)
+    if not done and not result.error:
+        result.error = "stream ended without [DONE]"
+
+
+def count_retokenized(results: list[RequestResult], tokenizer) -> None:
+    """After the run, so that tokenizing does not slow the client while it measures."""
+    for result in results:
+        result.retokenized_len = len(tokenizer.encode(result.generated_text, add_special_tokens=False))
+        if result.output_len is None:  # the server reports no usage: the text is all we have
+            result.output_len = result.retokenized_len
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+class BenchmarkError(Exception):
+    """The benchmark cannot run (no model, no tokenizer, a failed warm-up): one line for the user."""
+
+
+class ProgressBar:
+    """One line on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total = total
+        self.width = width
+        self.done = 0
+        self.start = time.perf_counter()
+        self._drawn = 0.0
+
+    def update(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self._drawn >= 0.1 or self.done == self.total:
+            self._drawn = now
+            filled = self.width * self.done // self.total
+            elapsed = max(now - self.start, 1e-9)
+            sys.stderr.write(f"\r|{'#' * filled}{'.' * (self.width - filled)}| {self.done}/{self.total} "
+                             f"[{elapsed:.1f} s, {self.done / elapsed:.2f} req/s]")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def split_base_url(base_url: str) -> tuple[str, int, str]:
+    """(host, port, path prefix) of http://host:port[/prefix]."""
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise BenchmarkError(f"--base-url must be http://host:port, got {base_url!r}")
+    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+
+
+async def feed_arrivals(queue: asyncio.Queue, items: list, request_rate: float, rng: random.Random,
+                        workers: int) -> None:
+    """Queues the requests at Poisson arrival times (all at once when the rate is infinite),
+    then one stop per worker. Times count from the start, so a slow loop does not drift."""
+    start = time.perf_counter()
+    arrival = 0.0
+    for item in enumerate(items):
+        delay = start + arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        queue.put_nowait(item)
+        if math.isfinite(request_rate):
+            arrival += rng.expovariate(request_rate)
+    for _ in range(workers):
+        queue.put_nowait(None)
+
+
+Send = Callable[[HttpConnection, bytes, int], Awaitable[RequestResult]]
+
+
+async def run_requests(connections: list[HttpConnection], bodies: list[bytes], prompt_lens: list[int], send: Send,
+                       request_rate: float, seed: int, progress: bool) -> tuple[list[RequestResult], float]:
+    """Each connection is a worker taking the next arrived request; returns the results in
+    prompt order and the duration from the first arrival to the last answer."""
+    queue: asyncio.Queue = asyncio.Queue()
+    results: dict[int, RequestResult] = {}
+    bar = ProgressBar(len(bodies)) if progress else None
+
+    async def worker(conn: HttpConnection) -> None:
+        while (item := await queue.get()) is not None:
+            index, body = item
+            results[index] = await send(conn, body, prompt_lens[index])
+            if bar is not None:
+                bar.update()
+
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(worker(conn)) for conn in connections]
+    await feed_arrivals(queue, bodies, request_rate, random.Random(seed), len(connections))
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    return [results[i] for i in range(len(bodies))], duration
+
+
+async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: str,
+                    endpoint: str = "/v1/completions", max_concurrency: int | None = None,
+                    request_rate: float = math.inf, stream: bool = True, backend: str = "openai",
+                    seed: int = 0, warmup_requests: int = 0, progress: bool = False) -> dict:
+    """Sends every prompt, then returns compute_metrics' figures plus the run's configuration.
+
+    max_concurrency None means one connection per prompt. The first warmup_requests prompts are
+    sent once, one by one, before the clock starts; a failed warm-up raises BenchmarkError.
+    """
+    if not prompts:
+        raise BenchmarkError("no prompts to send")
+    chat = is_chat(endpoint)
+    if chat and not all(isinstance(p.prompt, str) for p in prompts):
+        raise BenchmarkError("chat endpoints take text: build the prompts with prompt_format='text'")
+    host, port, prefix = split_base_url(base_url)
+    path = prefix + endpoint
+    # The bodies are built before the clock starts: the client should measure the server, not JSON encoding.
+    bodies = [request_body(p, model=model, chat=chat, stream=stream) for p in prompts]
+    prompt_lens = [p.prompt_len for p in prompts]
+
+    async def send(conn: HttpConnection, body: bytes, prompt_len: int) -> RequestResult:
+        return await send_request(conn, path, body, prompt_len, chat=chat, stream=stream)
+
+    connections = [HttpConnection(host, port) for _ in range(min(max_concurrency or len(prompts), len(prompts)))]
+    try:
+        for body, prompt_len in zip(bodies[:warmup_requests], prompt_lens):
+            warm = await send(connections[0], body, prompt_len)
+            if not warm.success:
+                raise BenchmarkError(f"warm-up request failed: {warm.error}")
+        results, duration = await run_requests(connections, bodies, prompt_lens, send, request_rate, seed, progress)
+    finally:
+        for conn in connections:
+            conn.close()
+    count_retokenized(results, tokenizer)
+    metrics = compute_metrics(results, duration)
+    metrics.update(backend=backend, base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(prompts),
+                   max_concurrency=max_concurrency, request_rate="inf" if math.isinf(request_rate) else request_rate,
+                   stream=stream, date=datetime.now().isoformat(timespec="seconds"))
+    return metrics
+
+
+# --- figures ---------------------------------------------------------------------------------
+
+STATS = ("mean", "median", "p90", "p99")
+
+
+def summarize(name: str, seconds: list[float]) -> dict[str, float]:
+    """mean/median/p90/p99 of the values in ms (numpy's linear percentiles; 0.0 when there are none)."""
+    if not seconds:
+        return {f"{stat}_{name}_ms": 0.0 for stat in STATS}
+    ms = np.asarray(seconds, dtype=float) * 1000.0
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"p90_{name}_ms": float(np.percentile(ms, 90)), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def compute_metrics(results: list[RequestResult], duration: float) -> dict:
+    """The table's figures over the successful requests; failures are counted, their first error kept."""
+    ok = [r for r in results if r.success]
+    failed = [r for r in results if not r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    latencies = [r.latency for r in ok]
+    metrics: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(failed),
+        "first_error": failed[0].error if failed else "",
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "total_output_tokens_retokenized": sum(r.retokenized_len for r in ok),
+        "request_throughput": len(ok) / duration,
+        "input_throughput": input_tokens / duration,
+        "output_throughput": output_tokens / duration,
+        "total_throughput": (input_tokens + output_tokens) / duration,
+        "concurrency": sum(latencies) / duration,
+    }
+    metrics.update(summarize("e2e_latency", latencies))
+    metrics.update(summarize("ttft", [r.ttft for r in ok]))
+    metrics.update(summarize("tpot", [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]))
+    metrics.update(summarize("itl", [gap for r in ok for gap in r.itl]))
+    return metrics
+
+
+SECTIONS = (("End-to-End Latency", "e2e_latency", "E2E Latency"), ("Time to First Token", "ttft", "TTFT"),
+            ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"), ("Inter-Token Latency", "itl", "ITL"))
+
+
+def format_table(metrics: dict) -> str:
+    """The "Serving Benchmark Result" table, laid out as vLLM's and SGLang's bench_serving print it."""
+    def row(label: str, value: Any) -> str:
+        return f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}"
+
+    lines = [f"{' Serving Benchmark Result ':=^50}",
+             row("Backend:", metrics["backend"]),
+             row("Traffic request rate:", metrics["request_rate"]),
+             row("Max request concurrency:", metrics["max_concurrency"] or "not set"),
+             row("Successful requests:", metrics["completed"]),
+             row("Failed requests:", metrics["failed"])]
+    if metrics["failed"]:
+        lines.append(row("First error:", " ".join(metrics["first_error"].split())[:200]))
+    lines += [row("Benchmark duration (s):", metrics["duration"]),
+              row("Total input tokens:", metrics["total_input_tokens"]),
+              row("Total generated tokens:", metrics["total_output_tokens"]),
+              row("Total generated tokens (retokenized):", metrics["total_output_tokens_retokenized"]),
+              row("Request throughput (req/s):", metrics["request_throughput"]),
+              row("Input token throughput (tok/s):", metrics["input_throughput"]),
+              row("Output token throughput (tok/s):", metrics["output_throughput"]),
+              row("Total token throughput (tok/s):", metrics["total_throughput"]),
+              row("Concurrency:", metrics["concurrency"])]
+    for title, key, label in SECTIONS:
+        lines.append(f"{title:-^50}")
+        lines += [row(f"{stat.capitalize()} {label} (ms):", metrics[f"{stat}_{key}_ms"]) for stat in STATS]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def append_json_line(path: str, metrics: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+async def fetch_model_info(base_url: str) -> dict:
+    """The first entry of GET /v1/models (id, owned_by, root...)."""
+    host, port, prefix = split_base_url(base_url)
+    conn = HttpConnection(host, port)
+    try:
+        response = await conn.request("GET", prefix + "/v1/models")
+        body = await response.read()
+    except (OSError, HttpError) as exc:
+        raise BenchmarkError(f"cannot ask {base_url}/v1/models: {exc}") from None
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise BenchmarkError(f"{base_url}/v1/models answered {response.status}: {error_message(body)}")
+    models = json_loads(body).get("data") or []
+    if not models:
+        raise BenchmarkError(f"{base_url}/v1/models lists no model")
+    return models[0]
+
+
+def tokenizer_path(args: argparse.Namespace, info: dict) -> str:
+    path = args.tokenizer or args.model_path or info.get("root")
+    if not path or not os.path.isdir(path):
+        raise BenchmarkError(f"no local tokenizer folder (tried {path!r}): pass --tokenizer or --model-path "
+                             "(nothing is downloaded)")
+    return path
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    """The whole run the command line asks for: discover, build the dataset, send, measure."""
+    known = args.model and args.backend and (args.tokenizer or args.model_path)
+    info = {} if known else await fetch_model_info(args.base_url)
+    model = args.model or info["id"]
+    tokenizer = load_tokenizer(tokenizer_path(args, info))
+    prompt_format = args.prompt_format or ("text" if is_chat(args.endpoint) else "ids")
+    prompts = make_random_prompts(tokenizer, args.num_prompts, args.random_input, args.random_output,
+                                  args.random_range_ratio, args.seed, prompt_format)
+    metrics = await benchmark(
+        args.base_url, prompts, tokenizer=tokenizer, model=model, endpoint=args.endpoint,
+        max_concurrency=args.max_concurrency, request_rate=args.request_rate, stream=args.stream,
+        backend=args.backend or info.get("owned_by") or "openai", seed=args.seed,
+        warmup_requests=args.warmup_requests, progress=not args.disable_progress,
+    )
+    metrics.update(random_input=args.random_input, random_output=args.random_output,
+                   random_range_ratio=args.random_range_ratio, prompt_format=prompt_format, seed=args.seed)
+    return metrics
+
+
+def raise_open_file_limit() -> None:
+    """One socket per worker: unlimited concurrency over many prompts needs more than 1024 descriptors."""
+    try:
+        import resource
+
+        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # keep the limit we have; too many workers then fail with their own error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000", help="http://host:port, without /v1")
+    server.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    server.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
+    server.add_argument("--backend", help="label for the table (default: owned_by of GET /v1/models)")
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--tokenizer", help="local tokenizer folder (default: --model-path, else the served "
+                                          "model's root from /v1/models when that is a local folder)")
+    data.add_argument("--model-path", help="local folder of the served model, for its tokenizer")
+    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--random-input", type=int, default=1024, help="prompt tokens")
+    data.add_argument("--random-output", type=int, default=128, help="output tokens")
+    data.add_argument("--random-range-ratio", type=float, default=1.0,
+                      help="lengths drawn uniformly in [len * ratio, len]; 1.0 = exact lengths")
+    data.add_argument("--prompt-format", choices=("ids", "text"),
+                      help="token ids or text of the exact length (default: ids on completions, text on chat)")
+    data.add_argument("--seed", type=int, default=0)
+    traffic = parser.add_argument_group("traffic")
+    traffic.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: all)")
+    traffic.add_argument("--request-rate", type=float, default=math.inf,
+                         help="Poisson arrivals per second (default: inf, all at once)")
+    traffic.add_argument("--no-stream", dest="stream", action="store_false", help="whole responses, no SSE")
+    traffic.add_argument("--warmup-requests", type=int, default=1, help="sent one by one before the clock starts")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-file", help="append the figures and the configuration as one JSON line")
+    out.add_argument("--disable-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    raise_open_file_limit()
+    try:
+        metrics = asyncio.run(run_benchmark(args))
+    except (BenchmarkError, ValueError) as exc:  # a setting the run cannot use: one line, no traceback
+        print(f"bench_serving: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(metrics))
+    if args.output_file:
+        append_json_line(args.output_file, metrics)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
