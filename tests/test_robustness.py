@@ -3,8 +3,8 @@ defined answer over a real socket and the server keeps serving."""
 
 from __future__ import annotations
 
+import http.client
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -263,16 +263,24 @@ def test_health_answers_fast_while_every_slot_is_busy(strict):
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
     server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "20"])
     pool = ThreadPoolExecutor(3)
-    futures = [pool.submit(post, server.port, "/v1/completions", LONG) for _ in range(3)]
+    futures = [pool.submit(post, server.port, "/v1/completions", BUSY) for _ in range(3)]
+    balancer = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)  # a kept-alive prober
     time.sleep(0.3)
     server.proc.terminate()
-    health = []
-    threading.Thread(target=lambda: health.append(_try_health(server.port))).start()
+    health = 200
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and health == 200:
+        balancer.request("GET", "/health")
+        response = balancer.getresponse()
+        response.read()
+        health = response.status
+        time.sleep(0.02)
+    assert health == 503  # told to stop sending while we drain
+    assert _try_health(server.port) is None  # and no new connections are accepted
     for future in futures:
         status, body, _ = future.result()
-        assert status == 200 and body["usage"]["completion_tokens"] == 240
+        assert status == 200 and body["usage"]["completion_tokens"] == 6 * 240
     assert server.proc.wait(30) == 0
-    assert health and health[0] in (503, None)  # 503 while draining, or already closed
     server.stop()
 
 
