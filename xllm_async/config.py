@@ -40,6 +40,11 @@ class Settings:
     write_timeout: float = 30.0
     drain_timeout: float = 30.0
     api_key: str | None = None
+    max_beam_width: int = 128
+    max_num_return_sequences: int = 128
+    beam_max_tokens: int = 3
+    item_table: str | None = None
+    item_unknown: str = "filter"
     log_level: str = "info"
     access_log: str = "plain"
 
@@ -130,6 +135,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "write_timeout": (_seconds, "seconds a client may stop reading a stream before it is dropped"),
     "drain_timeout": (_seconds, "on SIGTERM/SIGINT, seconds to finish admitted requests before exiting"),
     "api_key": (_optional(_text), "if set, /v1/ routes need `Authorization: Bearer <key>`"),
+    "max_beam_width": (_int_range(1, 1024), "largest `beam_width` of a beam (recommendation) request"),
+    "max_num_return_sequences": (_int_range(1, 1024), "largest `num_return_sequences` of a beam request"),
+    "beam_max_tokens": (_int_range(1), "rounds (item id length) of a beam request that sends no `max_tokens`"),
+    "item_table": (_optional(_text), "file of `<item id><TAB><token ids>` lines; beam choices then carry `item_id`"),
+    "item_unknown": (_choice("filter", "flag"), "beams naming no item: filter them out, or flag with item_id null"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
 }

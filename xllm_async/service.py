@@ -9,7 +9,8 @@ import os
 import time
 
 from .api.app import OpenAIApp
-from .api.requests import ModelInfo
+from .api.items import ItemTable, ItemTableError
+from .api.requests import BeamLimits, ModelInfo
 from .config import ConfigError, Settings
 from .engine.engine import Engine
 from .http.protocol import HttpLimits
@@ -28,6 +29,10 @@ class Service:
         """Load the model (unless one is given) and start the execution slots.
         Must run inside the event loop that will serve."""
         self.settings = settings
+        try:
+            self.items = ItemTable.load(settings.item_table, settings.item_unknown) if settings.item_table else None
+        except ItemTableError as exc:
+            raise ConfigError(f"invalid XLLM_ITEM_TABLE: {exc}") from None
         try:
             device = resolve_device(settings.devices)
         except DeviceError as exc:
@@ -52,17 +57,20 @@ class Service:
                              settings.max_tokens_per_batch, settings.max_queued_requests, self.metrics,
                              settings.queue_timeout)
         self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        beam = BeamLimits(not continuous, settings.max_beam_width, settings.max_num_return_sequences,
+                          settings.beam_max_tokens)
         model = ModelInfo(self.name, self.runner.tokenizer, self.runner.vocab_size, self.runner.max_model_len,
-                          settings.max_n)
+                          settings.max_n, beam)
         info = {
             "model": self.name, "model_path": model_dir, "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."), "scheduler": settings.scheduler,
             "concurrent_execute_stream_num": len(self.slots),
             "max_tokens_per_batch": settings.max_tokens_per_batch,
             "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,
-            "max_queued_requests": settings.max_queued_requests,
+            "max_queued_requests": settings.max_queued_requests, "max_beam_width": settings.max_beam_width,
+            "item_table": settings.item_table, "item_count": len(self.items.items) if self.items else 0,
         }
-        self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key)
+        self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key, self.items)
         limits = HttpLimits(settings.max_body_bytes, settings.max_connections, settings.read_timeout,
                             settings.keep_alive_timeout, settings.write_timeout)
         self.http = HttpServer(self.app, limits, self.app.on_response)

@@ -17,7 +17,9 @@ from ..engine.request import EngineRequest
 from ..errors import ApiError
 from ..http.protocol import HttpRequest
 from ..http.response import TEXT, Responder
+from ..engine.beam import BeamRequest
 from .access_log import AccessLog, AccessRecord
+from .items import ItemTable
 from .requests import GenerationSpec, ModelInfo, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
 
@@ -39,8 +41,9 @@ class OpenAIApp:
     """The request handler the HTTP layer calls: one coroutine per request."""
 
     def __init__(self, engine: Engine, model: ModelInfo, server_info: dict, access_log: str = "plain",
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, items: ItemTable | None = None) -> None:
         self.engine = engine
+        self.items = items
         self.api_key = api_key.encode() if api_key else None
         self.draining = False  # shutting down: /health says 503 so that balancers stop sending
         self.metrics = engine.metrics
@@ -144,7 +147,11 @@ class OpenAIApp:
                         responder: Responder) -> None:
         num = len(spec.prompts) * spec.n
         stream = OutputStream(num)
-        requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
+        if spec.beam_width is not None:
+            requests = [BeamRequest(i, prompt, spec.beam_width, spec.params.max_tokens, stream)
+                        for i, prompt in enumerate(spec.prompts)]
+        else:
+            requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
         prompt_tokens = sum(len(p) for p in spec.prompts) * spec.n
         shape = shape_class(self.model.name, self.model.tokenizer, prefix, prompt_tokens,
                             spec.top_logprobs is not None)
@@ -167,10 +174,20 @@ class OpenAIApp:
                 error = failure(choices)
                 if error is not None:
                     raise error
-                responder.send(200, shape.response(choices))
+                if spec.beam_width is not None:
+                    responder.send(200, shape.beam_response(self._chosen_beams(timer.beams, spec),
+                                                            self.items is not None))
+                else:
+                    responder.send(200, shape.response(choices))
         finally:
             if stream.unfinished:  # the client went away (or we failed): stop spending compute
                 self.engine.abort(requests)
+
+    def _chosen_beams(self, beams: list, spec: GenerationSpec) -> list[list[tuple]]:
+        count = spec.num_return_sequences
+        if self.items is None:
+            return [[(b, None) for b in found[:count]] for found in beams]
+        return [self.items.select(found, count) for found in beams]
 
     @staticmethod
     async def _stream(stream: OutputStream, shape, choices: list[Choice], timer: "_LatencyTimer",
@@ -203,7 +220,7 @@ class _LatencyTimer:
     and end-to-end latency; keeps the access record current (it is written the
     moment the response is)."""
 
-    __slots__ = ("metrics", "received", "choices", "requests", "record", "last")
+    __slots__ = ("metrics", "received", "choices", "requests", "record", "last", "beams")
 
     def __init__(self, metrics, received: float, choices: list[Choice], requests: list[EngineRequest],
                  record: AccessRecord) -> None:
@@ -213,6 +230,7 @@ class _LatencyTimer:
         self.requests = requests
         self.record = record
         self.last = [0.0] * len(choices)
+        self.beams: list[list] = [[] for _ in choices]  # a beam search's sequences, per prompt
 
     def arrived(self, deltas) -> None:
         now = time.monotonic()
@@ -222,6 +240,9 @@ class _LatencyTimer:
             self.choices[delta.index].add(delta)
             if delta.token_id is not None:
                 record.output_tokens += 1
+            elif delta.beams is not None:
+                self.beams[delta.index] = delta.beams
+                record.output_tokens += sum(len(b.token_ids) for b in delta.beams)
             last = self.last[delta.index]
             if last:
                 metrics.itl.observe(now - last)

@@ -13,17 +13,32 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 1024
 
 
+class BeamLimits:
+    """What beam (recommendation) requests may ask for on this server."""
+
+    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds")
+
+    def __init__(self, supported: bool = True, max_beam_width: int = 128, max_num_return_sequences: int = 128,
+                 default_rounds: int = 3) -> None:
+        self.supported = supported  # the continuous scheduler runs no beam search
+        self.max_beam_width = max_beam_width
+        self.max_num_return_sequences = max_num_return_sequences
+        self.default_rounds = default_rounds
+
+
 class ModelInfo:
-    """What validation needs to know about the served model."""
+    """What validation needs to know about the served model and its limits."""
 
-    __slots__ = ("name", "tokenizer", "vocab_size", "max_model_len", "max_n", "encode")
+    __slots__ = ("name", "tokenizer", "vocab_size", "max_model_len", "max_n", "beam", "encode")
 
-    def __init__(self, name: str, tokenizer, vocab_size: int, max_model_len: int, max_n: int) -> None:
+    def __init__(self, name: str, tokenizer, vocab_size: int, max_model_len: int, max_n: int,
+                 beam: BeamLimits | None = None) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_n = max_n
+        self.beam = beam or BeamLimits()
         # The Rust tokenizer directly: the Python wrapper costs more than the encoding itself.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
@@ -35,9 +50,11 @@ class ModelInfo:
 class GenerationSpec:
     """One validated request: its prompts (token ids), parameters and output options."""
 
-    __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs")
+    __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
+                 "num_return_sequences")
 
-    def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs) -> None:
+    def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
+                 num_return_sequences=1) -> None:
         self.prompts: list[list[int]] = prompts
         self.params: SamplingParams = params
         self.n: int = n
@@ -45,6 +62,8 @@ class GenerationSpec:
         self.include_usage: bool = include_usage
         self.chat: bool = chat
         self.top_logprobs = top_logprobs
+        self.beam_width: int | None = beam_width  # set: a beam search (params.max_tokens = its rounds)
+        self.num_return_sequences: int = num_return_sequences
 
 
 def parse_json(body: bytes) -> dict:
@@ -62,7 +81,9 @@ def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
     _check_model(fields, model)
     prompts = _completion_prompts(fields.raw("prompt"), model)
     logprobs = fields.int("logprobs", None, 0, MAX_LOGPROBS)
-    max_tokens = fields.int("max_tokens", 16, 1)
+    max_tokens = fields.int("max_tokens", None, 1)
+    if max_tokens is None and fields.raw("beam_width") is None:
+        max_tokens = 16  # OpenAI's default for completions
     return _spec(fields, model, prompts, max_tokens, "prompt", logprobs, chat=False)
 
 
@@ -83,6 +104,9 @@ def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
 
 def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens: int | None, prompt_param: str,
           logprobs: int | None, chat: bool) -> GenerationSpec:
+    beam_width = _beam_width(fields, model)
+    if beam_width is not None and max_tokens is None:
+        max_tokens = model.beam.default_rounds  # an item id's length
     longest = max(len(p) for p in prompts)
     if longest >= model.max_model_len:
         raise bad(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens, "
@@ -109,7 +133,28 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     options = Fields(fields.dict("stream_options"))
     include_usage = stream and options.bool("include_usage", False)
     n = fields.int("n", 1, 1, model.max_n)
-    return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+    if beam_width is None:
+        return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+    num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
+    if n != 1:
+        raise bad("n", "`n` must be 1 with `beam_width`; ask for `num_return_sequences` instead")
+    return GenerationSpec(prompts, params, 1, stream, include_usage, chat, logprobs, beam_width, num_return)
+
+
+def _beam_width(fields: Fields, model: ModelInfo) -> int | None:
+    """beam_width if this is a beam search; None for ordinary generation."""
+    width = fields.int("beam_width", None, 1, model.beam.max_beam_width)
+    if width is None:
+        return None
+    if fields.bool("stream", False):
+        if width > 1:
+            raise bad("stream", "A beam search returns its sequences at the end: `stream` must be false "
+                                "when `beam_width` > 1")
+        return None  # one beam is greedy decoding, which streams
+    if not model.beam.supported:
+        raise bad("beam_width", "Beam search runs on the fixed_steps scheduler; this server runs continuous "
+                                "(set XLLM_SCHEDULER=fixed_steps)")
+    return width
 
 
 def _check_model(fields: Fields, model: ModelInfo) -> None:

@@ -68,6 +68,29 @@ class ResponseShape:
             "choices": [self.whole_choice(i, c) for i, c in enumerate(choices)], "usage": self.usage(choices),
         })
 
+    def beam_response(self, selected: list[list[tuple]], with_items: bool) -> bytes:
+        """Choices of beam searches: per prompt, its chosen (BeamResult, item id) pairs, best first.
+        The token ids name items, so every choice carries them."""
+        choices = []
+        completion_tokens = 0
+        for pairs in selected:
+            for beam, item_id in pairs:
+                choice = Choice()
+                choice.parts.append(beam.text)
+                choice.finish_reason = "length"
+                body = self.whole_choice(len(choices), choice)
+                body["token_ids"] = beam.token_ids
+                body["cumulative_logprob"] = beam.cumulative_logprob
+                if with_items:
+                    body["item_id"] = item_id
+                choices.append(body)
+                completion_tokens += len(beam.token_ids)
+        return orjson.dumps({
+            "id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+            "choices": choices, "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                                          "total_tokens": self.prompt_tokens + completion_tokens},
+        })
+
     def chunk(self, delta: Delta, first: bool) -> bytes:
         return self._event({"id": self.id, "object": self.chunk_object_name, "created": self.created,
                             "model": self.model, "choices": [self.delta_choice(delta, first)]})

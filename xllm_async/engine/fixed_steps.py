@@ -10,6 +10,7 @@ from collections import deque
 from typing import Callable
 
 from .batch import GenerationBatch, fail_all
+from .beam import BeamRequest, BeamSearchBatch
 from .budget import BatchBudget
 from .request import EngineRequest
 
@@ -72,7 +73,8 @@ class FixedStepsBatcher:
         batch = None
         started = time.perf_counter()
         try:
-            batch = GenerationBatch(self.runner, requests, self.metrics)
+            batch_type = BeamSearchBatch if isinstance(requests[0], BeamRequest) else GenerationBatch
+            batch = batch_type(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
             while batch:
                 self._deliver(batch.decode())

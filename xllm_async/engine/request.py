@@ -11,16 +11,17 @@ from .sampling import SamplingParams, TokenLogprobs
 class Delta:
     """What one step added to one sequence. finish_reason set = the sequence is done."""
 
-    __slots__ = ("index", "text", "token_id", "logprobs", "finish_reason", "error")
+    __slots__ = ("index", "text", "token_id", "logprobs", "finish_reason", "error", "beams")
 
     def __init__(self, index: int, text: str, token_id: int | None, logprobs: TokenLogprobs | None,
-                 finish_reason: str | None, error: str | None = None) -> None:
+                 finish_reason: str | None, error: str | None = None, beams: list | None = None) -> None:
         self.index = index
         self.text = text
         self.token_id = token_id
         self.logprobs = logprobs
         self.finish_reason = finish_reason
         self.error = error
+        self.beams = beams  # a beam search's final sequences, best first (engine/beam.py)
 
 
 class EngineRequest:
@@ -32,6 +33,8 @@ class EngineRequest:
 
     __slots__ = ("index", "prompt_ids", "params", "sink", "generator", "output_ids", "text", "_sent",
                  "_detok", "_hold", "_eos", "_max_len", "finish_reason", "aborted", "done", "arrival", "started")
+
+    num_seqs = 1  # rows it holds in a batch
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         self.index = index  # the choice index inside its response

@@ -1,0 +1,156 @@
+"""Generative-recommendation requests: beam search through the real server
+equals transformers' beam search, batched and concurrent, on 1 and 2 slots."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from .client import post
+from .conftest import ServerProcess
+from .test_generation import random_prompts
+
+CASES = [  # (prompt length, beam_width, num_return_sequences, rounds)
+    (7, 8, 3, 3), (30, 4, 4, 2), (3, 16, 5, 3), (50, 1, 1, 4), (12, 6, 2, 1), (21, 32, 8, 3),
+]
+
+
+@pytest.fixture(scope="module")
+def beam_expected(reference):
+    prompts = random_prompts(5, [c[0] for c in CASES])
+    expected = []
+    with torch.inference_mode():
+        for prompt, (_, width, count, rounds) in zip(prompts, CASES):
+            out = reference.model.generate(
+                torch.tensor([prompt]), num_beams=width, num_return_sequences=count, max_new_tokens=rounds,
+                do_sample=False, length_penalty=0.0, early_stopping=True, eos_token_id=None, pad_token_id=0,
+                return_dict_in_generate=True, output_scores=True)
+            sequences = out.sequences[:, len(prompt):].tolist()
+            scores = out.sequences_scores.tolist() if width > 1 else [None]
+            expected.append((sequences, scores))
+    return prompts, expected
+
+
+def beam_request(port: int, prompt, width: int, count: int, rounds: int, path="/v1/completions", **extra):
+    body = {"beam_width": width, "num_return_sequences": count, "max_tokens": rounds, **extra}
+    body.update({"messages": prompt} if path.endswith("chat/completions") else {"prompt": prompt})
+    return post(port, path, body)
+
+
+@pytest.mark.parametrize("config", ["fixed_steps-N2", "fixed_steps-N1"])
+def test_concurrent_beam_searches_equal_transformers(servers, beam_expected, reference, config):
+    server = servers(config)
+    prompts, expected = beam_expected
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        answers = list(pool.map(lambda pc: beam_request(server.port, pc[0], *pc[1][1:]), zip(prompts, CASES)))
+    for (status, body, _), (sequences, scores), (length, width, count, rounds) in zip(answers, expected, CASES):
+        assert status == 200, body
+        choices = body["choices"]
+        assert [c["token_ids"] for c in choices] == sequences
+        assert [c["index"] for c in choices] == list(range(count))
+        for choice, score in zip(choices, scores):
+            assert choice["finish_reason"] == "length"
+            assert choice["text"] == reference.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+            if score is not None:
+                assert math.isclose(choice["cumulative_logprob"], score, abs_tol=1e-3)
+        logprobs = [c["cumulative_logprob"] for c in choices]
+        assert logprobs == sorted(logprobs, reverse=True)  # best first
+        assert body["usage"] == {"prompt_tokens": length, "completion_tokens": count * rounds,
+                                 "total_tokens": length + count * rounds}
+
+
+def test_a_list_of_prompts_gets_choices_for_each_in_order(server, beam_expected):
+    prompts, expected = beam_expected
+    status, body, _ = beam_request(server.port, prompts[:2], 4, 2, 2)
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    single = [beam_request(server.port, p, 4, 2, 2)[1]["choices"] for p in prompts[:2]]
+    assert [c["token_ids"] for c in body["choices"]] == [c["token_ids"] for s in single for c in s]
+
+
+def test_chat_beam_search(server):
+    status, body, _ = beam_request(server.port, [{"role": "user", "content": "recommend"}], 4, 2, 3,
+                                   path="/v1/chat/completions")
+    assert status == 200, body
+    assert len(body["choices"]) == 2
+    assert all(len(c["token_ids"]) == 3 and c["message"]["role"] == "assistant" for c in body["choices"])
+
+
+def test_rounds_default_to_the_server_setting(server):
+    status, body, _ = post(server.port, "/v1/completions", {"prompt": [5, 6, 7], "beam_width": 2})
+    assert status == 200 and len(body["choices"]) == 1 and len(body["choices"][0]["token_ids"]) == 3
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"beam_width": 0}, "beam_width"),
+    ({"beam_width": 100000}, "beam_width"),
+    ({"beam_width": 4, "num_return_sequences": 5}, "num_return_sequences"),
+    ({"beam_width": 4, "stream": True}, "stream"),
+    ({"beam_width": 4, "n": 2}, "n"),
+    ({"beam_width": "wide"}, "beam_width"),
+])
+def test_bad_beam_requests_get_400(server, body, param):
+    status, answer, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], **body})
+    assert status == 400 and answer["error"]["param"] == param
+
+
+def test_continuous_scheduler_refuses_beam_search_naming_fixed_steps(servers):
+    status, answer, _ = post(servers("continuous-N1").port, "/v1/completions",
+                             {"prompt": [1, 2, 3], "beam_width": 4})
+    assert status == 400 and "fixed_steps" in answer["error"]["message"]
+
+
+def test_one_beam_streams_like_greedy(server):
+    from .client import stream_events
+
+    events = stream_events(server.port, "/v1/completions", {"prompt": [1, 2, 3], "beam_width": 1, "max_tokens": 3,
+                                                            "temperature": 0, "ignore_eos": True})
+    assert events[-1] == "[DONE]" and len(events) >= 2
+
+
+@pytest.fixture(scope="module")
+def item_servers(tiny_model_dir, beam_expected, tmp_path_factory):
+    """Two servers with an item table naming the reference's 1st and 3rd best sequences."""
+    prompts, expected = beam_expected
+    sequences = expected[0][0]  # CASES[0]: width 8, 3 returned, 3 rounds
+    table = tmp_path_factory.mktemp("items") / "items.tsv"
+    table.write_text("# item<TAB>token ids\n"
+                     f"sku-first\t{' '.join(map(str, sequences[0]))}\n"
+                     f"sku-third\t{' '.join(map(str, sequences[2]))}\n")
+    common = ["--model", tiny_model_dir, "--item-table", str(table)]
+    filtering = ServerProcess(common)
+    flagging = ServerProcess([*common, "--item-unknown", "flag"])
+    yield filtering, flagging
+    filtering.stop()
+    flagging.stop()
+
+
+def test_item_table_maps_ids_and_filters_or_flags_unknown(item_servers, beam_expected):
+    filtering, flagging = item_servers
+    prompts, expected = beam_expected
+    sequences = expected[0][0]
+    status, body, _ = beam_request(filtering.port, prompts[0], 8, 3, 3)
+    assert status == 200
+    # Only sequences that name an item come back, best first: the 2nd best names none.
+    assert [(c["item_id"], c["token_ids"]) for c in body["choices"]] == [("sku-first", sequences[0]),
+                                                                         ("sku-third", sequences[2])]
+    status, body, _ = beam_request(flagging.port, prompts[0], 8, 3, 3)
+    assert [c["item_id"] for c in body["choices"]] == ["sku-first", None, "sku-third"]
+
+
+def test_a_bad_item_table_stops_start_up_with_one_line(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    bad = tmp_path / "items.tsv"
+    bad.write_text("sku-1 1 2 3\n")  # no tab
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--model", tiny_model_dir,
+                           "--item-table", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "XLLM_ITEM_TABLE" in proc.stderr and ":1:" in proc.stderr and "Traceback" not in proc.stderr
