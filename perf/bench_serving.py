@@ -306,9 +306,9 @@ def is_chat(endpoint: str) -> bool:
     return endpoint.rstrip("/").endswith("chat/completions")
 
 
-def request_body(prompt: Prompt, *, model: str, chat: bool, stream: bool) -> bytes:
+def request_body(prompt: Prompt, *, model: str, chat: bool, stream: bool, extra: dict | None = None) -> bytes:
     body: dict[str, Any] = {"model": model, "max_tokens": prompt.output_len, "temperature": 0.0,
-                            "ignore_eos": True, "stream": stream}
+                            "ignore_eos": True, "stream": stream, **(extra or {})}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt.prompt}]
     else:
@@ -494,7 +494,8 @@ async def run_requests(connections: list[HttpConnection], bodies: list[bytes], p
 async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: str,
                     endpoint: str = "/v1/completions", max_concurrency: int | None = None,
                     request_rate: float = math.inf, stream: bool = True, backend: str = "openai",
-                    seed: int = 0, warmup_requests: int = 0, progress: bool = False) -> dict:
+                    seed: int = 0, warmup_requests: int = 0, progress: bool = False,
+                    extra_body: dict | None = None) -> dict:
     """Sends every prompt, then returns compute_metrics' figures plus the run's configuration.
 
     max_concurrency None means one connection per prompt. The first warmup_requests prompts are
@@ -508,7 +509,7 @@ async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: s
     host, port, prefix = split_base_url(base_url)
     path = prefix + endpoint
     # The bodies are built before the clock starts: the client should measure the server, not JSON encoding.
-    bodies = [request_body(p, model=model, chat=chat, stream=stream) for p in prompts]
+    bodies = [request_body(p, model=model, chat=chat, stream=stream, extra=extra_body) for p in prompts]
     prompt_lens = [p.prompt_len for p in prompts]
 
     async def send(conn: HttpConnection, body: bytes, prompt_len: int) -> RequestResult:
@@ -598,6 +599,8 @@ def format_table(metrics: dict) -> str:
               row("Request throughput (req/s):", metrics["request_throughput"]),
               row("Input token throughput (tok/s):", metrics["input_throughput"]),
               row("Output token throughput (tok/s):", metrics["output_throughput"]),
+              *([row("Beam throughput (beams/s):", metrics["beam_throughput"])] if "beam_throughput" in metrics
+                else []),
               row("Total token throughput (tok/s):", metrics["total_throughput"]),
               row("Concurrency:", metrics["concurrency"])]
     for title, key, label in SECTIONS:
@@ -650,14 +653,21 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     model = args.model or info["id"]
     tokenizer = load_tokenizer(tokenizer_path(args, info))
     prompt_format = args.prompt_format or ("text" if is_chat(args.endpoint) else "ids")
+    extra_body = None
+    if args.beam_width:  # the rec workload: beam search answers at the end, so no streaming
+        extra_body = {"beam_width": args.beam_width, "num_return_sequences": args.num_return_sequences}
+        args.stream = False
     prompts = make_random_prompts(tokenizer, args.num_prompts, args.random_input, args.random_output,
                                   args.random_range_ratio, args.seed, prompt_format)
     metrics = await benchmark(
         args.base_url, prompts, tokenizer=tokenizer, model=model, endpoint=args.endpoint,
         max_concurrency=args.max_concurrency, request_rate=args.request_rate, stream=args.stream,
         backend=args.backend or info.get("owned_by") or "openai", seed=args.seed,
-        warmup_requests=args.warmup_requests, progress=not args.disable_progress,
+        warmup_requests=args.warmup_requests, progress=not args.disable_progress, extra_body=extra_body,
     )
+    if args.beam_width:
+        metrics.update(beam_width=args.beam_width, num_return_sequences=args.num_return_sequences,
+                       beam_throughput=metrics["request_throughput"] * args.beam_width)
     metrics.update(random_input=args.random_input, random_output=args.random_output,
                    random_range_ratio=args.random_range_ratio, prompt_format=prompt_format, seed=args.seed)
     return metrics
@@ -699,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Poisson arrivals per second (default: inf, all at once)")
     traffic.add_argument("--no-stream", dest="stream", action="store_false", help="whole responses, no SSE")
     traffic.add_argument("--warmup-requests", type=int, default=1, help="sent one by one before the clock starts")
+    rec = parser.add_argument_group("generative recommendation (beam search; --random-output = rounds)")
+    rec.add_argument("--beam-width", type=int, help="beams per request (turns streaming off)")
+    rec.add_argument("--num-return-sequences", type=int, default=1, help="best sequences returned per request")
     out = parser.add_argument_group("output")
     out.add_argument("--output-file", help="append the figures and the configuration as one JSON line")
     out.add_argument("--disable-progress", action="store_true")

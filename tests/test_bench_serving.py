@@ -285,3 +285,16 @@ def test_command_line_stops_on_a_failed_warm_up(server, capsys):
             "--random-input", "8", "--random-output", "2"]
     assert bench.main(argv) == 1
     assert "warm-up request failed: HTTP 404" in capsys.readouterr().err
+
+
+def test_rec_workload_counts_beams_and_returned_tokens(server, tmp_path, capsys):
+    out = tmp_path / "rec.jsonl"
+    argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "6", "--random-input", "20",
+            "--random-output", "3", "--beam-width", "4", "--num-return-sequences", "2", "--max-concurrency", "3",
+            "--disable-progress", "--output-file", str(out)]
+    assert bench.main(argv) == 0
+    assert "Beam throughput (beams/s):" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert (figures["completed"], figures["failed"], figures["stream"]) == (6, 0, False)
+    assert figures["total_output_tokens"] == 6 * 2 * 3  # 2 returned sequences of 3 rounds each
+    assert figures["beam_throughput"] == pytest.approx(4 * figures["request_throughput"])
