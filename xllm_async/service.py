@@ -24,6 +24,11 @@ from .runtime.model_runner import ModelRunner
 log = logging.getLogger("xllm_async.server")
 
 
+def resident_memory_bytes() -> int:
+    with open("/proc/self/statm") as f:  # Linux only: the second field is resident pages
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class Service:
     def __init__(self, settings: Settings, runner: ModelRunner | None = None) -> None:
         """Load the model (unless one is given) and start the execution slots.
@@ -74,6 +79,11 @@ class Service:
         limits = HttpLimits(settings.max_body_bytes, settings.max_connections, settings.read_timeout,
                             settings.keep_alive_timeout, settings.write_timeout)
         self.http = HttpServer(self.app, limits, self.app.on_response)
+        self.metrics.add(Gauge("http_connections_open", "Open client connections.",
+                               lambda: len(self.http.connections)))
+        if os.path.exists("/proc/self/statm"):
+            self.metrics.add(Gauge("process_resident_memory_bytes", "Resident memory of this process.",
+                                   resident_memory_bytes))
 
     async def start(self) -> None:
         s = self.settings

@@ -32,10 +32,15 @@ class ContinuousScheduler:
         self._deliver = deliver
         self._arrived = threading.Event()
         self._stopping = False
+        self._running = False  # a batch is in flight (read by metrics)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        return 1 if self._running else 0
 
     def start(self) -> None:
         self.slot.submit(self._serve)
@@ -58,6 +63,7 @@ class ContinuousScheduler:
                     self._arrived.wait()
                     continue
             new = self.budget.take(self.waiting, len(running) if running else 0)
+            self._running = True
             started = time.perf_counter()
             if new:
                 running = self._prefill_into(running, new)
@@ -65,6 +71,7 @@ class ContinuousScheduler:
             elif running is not None:
                 running = self._decode(running)
             self.slot.busy_seconds += time.perf_counter() - started
+            self._running = running is not None
 
     def _prefill_into(self, running: GenerationBatch | None, requests: list[EngineRequest]):
         batch = None

@@ -41,6 +41,8 @@ class Engine:
                                lambda: self.scheduler.num_waiting))
         self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",
                                lambda: max(0, len(self.unfinished) - self.scheduler.num_waiting)))
+        self.metrics.add(Gauge("slots_busy", "Execution slots running a batch now.",
+                               lambda: self.scheduler.busy_slots))
         self.metrics.add(PerSlot("slot_busy_seconds_total", "Seconds each execution slot spent running batches.",
                                  "counter", lambda: [s.busy_seconds for s in slots]))
         self.metrics.add(PerSlot("slot_batches_total", "Prefill batches each execution slot ran.",

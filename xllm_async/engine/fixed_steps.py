@@ -37,6 +37,7 @@ class FixedStepsBatcher:
         self._loop = loop
         self._arrived = asyncio.Event()
         self._free: asyncio.Queue = asyncio.Queue()
+        self._num_slots = len(slots)
         for slot in slots:
             self._free.put_nowait(slot)
         self._task: asyncio.Task | None = None
@@ -44,6 +45,10 @@ class FixedStepsBatcher:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        return self._num_slots - self._free.qsize()
 
     def start(self) -> None:
         self._task = self._loop.create_task(self._run())

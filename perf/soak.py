@@ -1,0 +1,276 @@
+"""Soak: thousands of requests at high concurrency, a share of clients that
+vanish at random points, against each scheduler; then proof that nothing leaked.
+
+    python perf/soak.py --requests 3000 --concurrency 64 --disconnect-share 0.2
+
+For each server configuration (started here, or --base-url for a running one):
+1. reference answers: a small set of prompts (token ids, mixed lengths and
+   max_tokens, greedy, some streamed) is answered one at a time;
+2. load: `--requests` requests drawn from that set at `--concurrency`; a share
+   of the clients disconnect at a random point (mid request, after sending,
+   or mid-stream);
+3. checks: every request that completed got exactly its reference answer;
+   after the load the server's counters show no waiting or running sequence,
+   no busy slot and no open connection but ours; resident memory after a
+   second round of load is within `--rss-growth` of after the first.
+Exits 1 if any check fails. Traffic goes to loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {
+    "fixed_steps-N2": ["--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "2"],
+    "continuous-N1": ["--scheduler", "continuous", "--concurrent-execute-stream-num", "1"],
+}
+
+
+# --- a minimal HTTP/1.1 client over asyncio streams (one request per connection) ---
+
+async def exchange(port: int, body: dict, vanish: str | None, rng: random.Random) -> tuple[int, bytes] | None:
+    """POST /v1/completions; None when this client vanishes on purpose."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: soak\r\ncontent-length: {len(payload)}\r\n"
+               f"connection: close\r\n\r\n").encode() + payload
+    try:
+        if vanish == "mid-request":
+            writer.write(request[: rng.randrange(1, len(request))])
+            await writer.drain()
+            return None
+        writer.write(request)
+        await writer.drain()
+        if vanish == "after-sending":
+            await asyncio.sleep(rng.random() * 0.02)
+            return None
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if vanish == "mid-stream":
+            await reader.read(rng.randrange(1, 400))
+            return None
+        data = await reader.read()  # connection: close -> the body runs to EOF
+        return status, _dechunk(data) if b"transfer-encoding: chunked" in head.lower() else data
+    finally:
+        writer.close()
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = []
+    while data:
+        size_line, _, rest = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out.append(rest[:size])
+        data = rest[size + 2:]
+    return b"".join(out)
+
+
+class Broken(str):
+    """An answer that is not a completion (an error status, a cut stream); never equals a reference."""
+
+    def __eq__(self, other) -> bool:
+        return False
+
+    __hash__ = str.__hash__
+
+
+def answer_of(status: int, body: bytes, stream: bool) -> str:
+    """The text of an answer, or a Broken describing what went wrong."""
+    if status != 200:
+        return Broken(f"HTTP {status}: {body[:200]!r}")
+    if not stream:
+        return json.loads(body)["choices"][0]["text"]
+    events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+    if not events or events[-1] != b"[DONE]":
+        return Broken("stream without [DONE]")
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+
+
+def make_requests(rng: random.Random, count: int) -> list[dict]:
+    return [{"prompt": [rng.randrange(200, 150000) for _ in range(rng.choice([8, 40, 120, 300]))],
+             "max_tokens": rng.choice([1, 1, 2, 8, 32]), "temperature": 0, "ignore_eos": True,
+             "stream": rng.random() < 0.5} for _ in range(count)]
+
+
+async def load(port: int, bodies: list[dict], references: list[str], total: int, concurrency: int,
+               disconnect_share: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    plan = [(rng.randrange(len(bodies)), rng.choice(["mid-request", "after-sending", "mid-stream"])
+             if rng.random() < disconnect_share else None) for _ in range(total)]
+    counts = {"completed": 0, "correct": 0, "vanished": 0, "wrong": 0, "errors": 0, "busy_answers": 0}
+    first_wrong: list[str] = []
+    queue = iter(plan)
+
+    async def worker() -> None:
+        for index, vanish in queue:
+            try:
+                result = await exchange(port, bodies[index], vanish, rng)
+            except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                counts["errors"] += 1
+                first_wrong.append(f"connection error: {exc!r}")
+                continue
+            if result is None:
+                counts["vanished"] += 1
+                continue
+            counts["completed"] += 1
+            status, body = result
+            if status == 503:  # overload answers are allowed; they must be clean 503s
+                counts["busy_answers"] += 1
+                continue
+            got = answer_of(status, body, bodies[index]["stream"])
+            if got == references[index]:
+                counts["correct"] += 1
+            else:
+                counts["wrong"] += 1
+                first_wrong.append(f"request {index}: expected {references[index]!r}, got {got!r}")
+
+    started = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    counts["seconds"] = round(time.perf_counter() - started, 2)
+    counts["first_problem"] = first_wrong[0] if first_wrong else ""
+    return counts
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+async def settle(port: int, timeout: float = 30.0) -> dict[str, float]:
+    """Wait until the server is idle again (or the timeout) and return its counters."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape(port)
+        idle = (values["xllm:num_requests_waiting"] == 0 and values["xllm:num_requests_running"] == 0
+                and values["xllm:slots_busy"] == 0 and values["xllm:http_connections_open"] <= 1)
+        if idle or time.monotonic() > deadline:
+            return values
+        await asyncio.sleep(0.2)
+
+
+async def soak(port: int, args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    bodies = make_requests(rng, args.distinct)
+    references = []
+    for body in bodies:  # one at a time: no batching can influence the reference
+        status, data = await exchange(port, body, None, rng)
+        references.append(answer_of(status, data, body["stream"]))
+    broken = [r for r in references if isinstance(r, Broken)]
+    if broken:
+        raise SystemExit(f"reference request failed: {broken[0]}")
+    rounds = []
+    for round_index in range(2):  # memory after round 2 is compared with after round 1
+        counts = await load(port, bodies, references, args.requests // 2, args.concurrency, args.disconnect_share,
+                            args.seed + round_index)
+        counters = await settle(port)
+        counts["rss_mb"] = round(counters.get("xllm:process_resident_memory_bytes", 0) / 2**20, 1)
+        counts["leaks"] = {k: counters[k] for k in ("xllm:num_requests_waiting", "xllm:num_requests_running",
+                                                    "xllm:slots_busy", "xllm:http_connections_open")}
+        rounds.append(counts)
+    return {"rounds": rounds}
+
+
+def verdict(result: dict, rss_growth: float) -> list[str]:
+    problems = []
+    for i, r in enumerate(result["rounds"], 1):
+        if r["wrong"] or r["errors"]:
+            problems.append(f"round {i}: {r['wrong']} wrong, {r['errors']} errors; {r['first_problem']}")
+        if r["correct"] == 0:
+            problems.append(f"round {i}: no request completed correctly")
+        leaks = {k: v for k, v in r["leaks"].items() if v > (1 if k.endswith("connections_open") else 0)}
+        if leaks:
+            problems.append(f"round {i}: leaked {leaks}")
+    first, second = result["rounds"][0]["rss_mb"], result["rounds"][1]["rss_mb"]
+    if first and second > first * (1 + rss_growth):
+        problems.append(f"resident memory grew from {first} MB to {second} MB")
+    return problems
+
+
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--port", str(port),
+                             "--access-log", "off", "--max-connections", "4096", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def default_model() -> str:
+    path = os.path.join(ROOT, "perf", "results", "models", "qwen3-tiny")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        sys.path.insert(0, ROOT)
+        from xllm_async.random_model import build_qwen3
+
+        build_qwen3(path, "tiny")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000, help="requests per configuration (two rounds)")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--disconnect-share", type=float, default=0.2)
+    parser.add_argument("--distinct", type=int, default=24, help="distinct prompts (each with its reference)")
+    parser.add_argument("--rss-growth", type=float, default=0.10, help="allowed growth of resident memory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", help="model folder (default: a tiny random Qwen3 built once)")
+    parser.add_argument("--config", action="append", choices=sorted(CONFIGS), help="default: both")
+    parser.add_argument("--base-url-port", type=int, help="soak a server already running on this loopback port")
+    parser.add_argument("--output-file", help="append the figures as JSON lines")
+    args = parser.parse_args(argv)
+    targets = [("running", None)] if args.base_url_port else [(c, CONFIGS[c]) for c in args.config or CONFIGS]
+    failed = False
+    for name, extra in targets:
+        proc = None
+        if extra is None:
+            port = args.base_url_port
+        else:
+            proc, port = start_server(args.model or default_model(), extra)
+        try:
+            result = asyncio.run(soak(port, args))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+        problems = verdict(result, args.rss_growth)
+        failed |= bool(problems)
+        result.update(config=name, requests=args.requests, concurrency=args.concurrency,
+                      disconnect_share=args.disconnect_share, problems=problems)
+        print(json.dumps(result, indent=1))
+        print(f"{name}: {'FAIL' if problems else 'ok'}" + "".join(f"\n  - {p}" for p in problems))
+        if args.output_file:
+            with open(args.output_file, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

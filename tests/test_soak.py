@@ -1,0 +1,19 @@
+"""perf/soak.py itself: a short soak against the shared server passes its own checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from .conftest import ROOT
+
+
+def test_short_soak_finds_every_answer_correct_and_nothing_leaked(server, capsys):
+    spec = importlib.util.spec_from_file_location("soak", os.path.join(ROOT, "perf", "soak.py"))
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    code = soak.main(["--base-url-port", str(server.port), "--requests", "80", "--concurrency", "8",
+                      "--distinct", "6", "--disconnect-share", "0.3", "--rss-growth", "0.5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "running: ok" in out
