@@ -97,8 +97,9 @@ def answer_of(status: int, body: bytes, stream: bool) -> str:
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
 
 
-def make_requests(rng: random.Random, count: int) -> list[dict]:
-    return [{"prompt": [rng.randrange(200, 150000) for _ in range(rng.choice([8, 40, 120, 300]))],
+def make_requests(rng: random.Random, count: int, max_prompt: int) -> list[dict]:
+    lengths = sorted({8, 40, max_prompt // 2, max_prompt})
+    return [{"prompt": [rng.randrange(200, 150000) for _ in range(rng.choice(lengths))],
              "max_tokens": rng.choice([1, 1, 2, 8, 32]), "temperature": 0, "ignore_eos": True,
              "stream": rng.random() < 0.5} for _ in range(count)]
 
@@ -167,7 +168,7 @@ async def settle(port: int, timeout: float = 30.0) -> dict[str, float]:
 
 async def soak(port: int, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    bodies = make_requests(rng, args.distinct)
+    bodies = make_requests(rng, args.distinct, args.max_prompt)
     references = []
     for body in bodies:  # one at a time: no batching can influence the reference
         status, data = await exchange(port, body, None, rng)
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--disconnect-share", type=float, default=0.2)
     parser.add_argument("--distinct", type=int, default=24, help="distinct prompts (each with its reference)")
+    parser.add_argument("--max-prompt", type=int, default=300, help="longest prompt (max_tokens is up to 32)")
     parser.add_argument("--rss-growth", type=float, default=0.10, help="allowed growth of resident memory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model folder (default: a tiny random Qwen3 built once)")
