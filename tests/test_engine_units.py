@@ -108,3 +108,19 @@ def test_greedy_and_filters_in_sample():
     _, (lp,) = sample(logits[:1], [with_lp], [None])
     assert [t for t, _ in lp.top] == [1, 3]
     assert abs(lp.logprob - float(torch.log_softmax(logits[0], -1)[1])) < 1e-6
+
+
+def test_sampling_follows_the_distribution_and_the_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(1)
+    plain = SamplingParams(temperature=1.0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[sample(logits, [plain], [gen])[0][0]] += 1
+    torch.testing.assert_close(counts / 4000, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    nucleus = SamplingParams(temperature=1.0, top_p=0.7)  # 0.5 + 0.3 cover it: tokens 2 and 3 never come
+    assert {sample(logits, [nucleus], [gen])[0][0] for _ in range(300)} == {0, 1}
+    both = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.5, top_k=3)]
+    rows = torch.cat([logits, logits])
+    seen = {tuple(sample(rows, both, [gen, gen])[0]) for _ in range(200)}
+    assert {first for first, _ in seen} == {0} and {second for _, second in seen} <= {0, 1, 2}

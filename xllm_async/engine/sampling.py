@@ -57,17 +57,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """Pick one token per row of logits [rows, vocab]."""
     greedy_tokens = logits.argmax(dim=-1)
     wants_logprobs = False
-    sampled = False
-    for p in params:
+    sampled_rows = []
+    for row, p in enumerate(params):
         wants_logprobs |= p.logprobs is not None
-        sampled |= not p.greedy
-    if not sampled and not wants_logprobs:  # the common case: one argmax for the whole batch
+        if not p.greedy:
+            sampled_rows.append(row)
+    if not sampled_rows and not wants_logprobs:  # the common case: one argmax for the whole batch
         return greedy_tokens.tolist(), [None] * len(params)
     tokens = greedy_tokens.tolist()
-    if sampled:
-        for row, p in enumerate(params):
-            if not p.greedy:
-                tokens[row] = _sample_row(logits[row], p, generators[row])
+    if sampled_rows:
+        picked = _sample_rows(logits[sampled_rows], [params[r] for r in sampled_rows],
+                              [generators[r] for r in sampled_rows])
+        for row, token in zip(sampled_rows, picked):
+            tokens[row] = token
     if not wants_logprobs:
         return tokens, [None] * len(params)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -84,16 +86,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return tokens, out
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scores = logits / p.temperature
-    if 0 < p.top_k < scores.shape[-1]:
-        kth = scores.topk(p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_scores, order = scores.sort(descending=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+    """Temperature, top-k and top-p for all sampled rows at once; only the
+    random numbers are drawn per row, from each request's own generator."""
+    scores = logits / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    top_k = [p.top_k if 0 < p.top_k < scores.shape[-1] else 0 for p in params]
+    if any(top_k):
+        widest = max(top_k)
+        kth = scores.topk(widest, dim=-1).values  # [rows, widest], descending
+        index = torch.tensor([max(k, 1) - 1 for k in top_k], device=scores.device)[:, None]
+        threshold = kth.gather(1, index)
+        threshold[torch.tensor(top_k, device=scores.device) == 0] = float("-inf")
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=scores.device)
+    if bool((top_p < 1.0).any()):
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        sorted_probs = sorted_scores.softmax(-1)
         # Drop a token when the tokens before it already cover top_p; the first always stays.
-        drop = (cumulative - sorted_scores.softmax(-1)) >= p.top_p
-        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+        scores = scores.scatter(1, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p exactly.
+    race = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        race[row].exponential_(generator=gen)
+    return (probs / race).argmax(dim=-1).tolist()

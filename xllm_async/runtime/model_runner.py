@@ -98,12 +98,12 @@ class ModelRunner:
 
     def prefill(self, prompts: list[list[int]], keep_cache: bool) -> tuple[torch.Tensor, KvCache | None]:
         """Run the prompts; return last-position logits [rows, vocab] and, if asked, their cache."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        pad = [self.pad_id] * width
+        # One tensor from one nested list: a copy per row costs more than the whole list.
+        ids = torch.tensor([pad[:width - n] + p for n, p in zip(lengths, prompts)], dtype=torch.long)
+        mask = (torch.arange(width) >= width - torch.tensor(lengths)[:, None]).long()
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self.config) if keep_cache else None
