@@ -62,7 +62,7 @@ def raw_exchange(port: int, data: bytes, timeout: float = 10, read_until_close: 
                 chunks.append(chunk)
                 if not read_until_close:
                     break
-        except socket.timeout:
+        except TimeoutError:
             pass
     return b"".join(chunks)
 

@@ -59,7 +59,7 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180) -> None:
         self.port = free_port()
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"xllm-test-{self.port}.log")
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the server's whole life)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "server.py"), "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT,

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import os
 import re
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 ENV_PREFIX = "XLLM_"
 
@@ -113,14 +113,18 @@ def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 # name -> (parser, help). The defaults live on the dataclass.
 _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
-    "model": (_optional(_model_dir), "model folder (config.json, safetensors, tokenizer); unset = SmolLM2-135M-Instruct"),
+    "model": (_optional(_model_dir),
+              "model folder (config.json, safetensors, tokenizer); unset = SmolLM2-135M-Instruct"),
     "served_model_name": (_optional(_text), "name clients pass as `model` (default: the folder's name)"),
     "host": (_text, "address to listen on; 0.0.0.0 exposes the server to the network"),
     "port": (_int_range(1, 65535), "TCP port"),
     "devices": (_device, "auto (NPU, else CUDA, else CPU), cpu, cuda:N or npu:N"),
-    "dtype": (_choice("auto", "float32", "bfloat16", "float16"), "weights and activations dtype; auto = the model's own"),
-    "scheduler": (_choice("fixed_steps", "continuous"), "fixed_steps (batches run to completion on N slots) or continuous"),
-    "concurrent_execute_stream_num": (_int_range(1, 64), "N execution streams/slots for fixed_steps (1 = a single worker)"),
+    "dtype": (_choice("auto", "float32", "bfloat16", "float16"),
+              "weights and activations dtype; auto = the model's own"),
+    "scheduler": (_choice("fixed_steps", "continuous"),
+                  "fixed_steps (batches run to completion on N slots) or continuous"),
+    "concurrent_execute_stream_num": (_int_range(1, 64),
+                                      "N execution streams/slots for fixed_steps (1 = a single worker)"),
     "max_tokens_per_batch": (_int_range(1), "token budget of one batch (padded prompt tokens)"),
     "max_seqs_per_batch": (_int_range(1), "sequence budget of one batch"),
     "max_model_len": (_optional(_int_range(2)), "longest prompt + output in tokens (default: the model's)"),
@@ -160,7 +164,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     values = {}
     for name, (parse, _) in _OPTIONS.items():
         flag = getattr(args, name)
-        source, raw = ("--" + name.replace("_", "-"), flag) if flag is not None else (env_name(name), environ.get(env_name(name)))
+        if flag is not None:
+            source, raw = "--" + name.replace("_", "-"), flag
+        else:
+            source, raw = env_name(name), environ.get(env_name(name))
         if raw is None:
             continue
         try:

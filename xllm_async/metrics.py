@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 PREFIX = "xllm:"
 

@@ -11,13 +11,13 @@ import time
 import orjson
 
 from .. import __version__
+from ..engine.beam import BeamRequest
 from ..engine.engine import Engine, EngineFull
 from ..engine.output import OutputStream
 from ..engine.request import EngineRequest
 from ..errors import ApiError
 from ..http.protocol import HttpRequest
 from ..http.response import TEXT, Responder
-from ..engine.beam import BeamRequest
 from .access_log import AccessLog, AccessRecord
 from .items import ItemTable
 from .requests import GenerationSpec, ModelInfo, parse_chat, parse_completion, parse_json
@@ -190,7 +190,7 @@ class OpenAIApp:
         return [self.items.select(found, count) for found in beams]
 
     @staticmethod
-    async def _stream(stream: OutputStream, shape, choices: list[Choice], timer: "_LatencyTimer",
+    async def _stream(stream: OutputStream, shape, choices: list[Choice], timer: _LatencyTimer,
                       include_usage: bool, responder: Responder) -> None:
         responder.start_stream()
         first = [True] * len(choices)

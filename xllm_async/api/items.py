@@ -18,7 +18,7 @@ class ItemTable:
         self.unknown = unknown  # filter: drop sequences that name no item; flag: keep them with item_id null
 
     @classmethod
-    def load(cls, path: str, unknown: str = "filter") -> "ItemTable":
+    def load(cls, path: str, unknown: str = "filter") -> ItemTable:
         items: dict[tuple[int, ...], str] = {}
         try:
             with open(path, encoding="utf-8") as f:

@@ -61,7 +61,7 @@ class GenerationBatch:
             self._metrics.generation_tokens.inc(len(items))
         return items
 
-    def merge(self, other: "GenerationBatch") -> None:
+    def merge(self, other: GenerationBatch) -> None:
         self.requests += other.requests
         self._next_tokens += other._next_tokens
         self.kv.merge(other.kv)

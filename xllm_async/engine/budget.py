@@ -41,9 +41,9 @@ class BatchBudget:
                 break
             longest_if_taken = max(longest, len(req.prompt_ids))
             seqs_if_taken = seqs + req.num_seqs
-            if batch or seqs_in_use:
-                if seqs_if_taken > self.max_seqs or longest_if_taken * seqs_if_taken > self.max_tokens:
-                    break
+            over = seqs_if_taken > self.max_seqs or longest_if_taken * seqs_if_taken > self.max_tokens
+            if over and (batch or seqs_in_use):
+                break
             batch.append(waiting.popleft())
             longest, seqs = longest_if_taken, seqs_if_taken
         return batch

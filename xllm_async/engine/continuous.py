@@ -5,10 +5,10 @@ and merged into the running batch; finished ones leave after every step."""
 from __future__ import annotations
 
 import logging
-import time
 import threading
+import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from .batch import GenerationBatch, fail_all
 from .budget import BatchBudget

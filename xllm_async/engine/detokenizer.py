@@ -23,10 +23,7 @@ class IncrementalDetokenizer:
         tokens = self._tokens
         tokens.append(token)
         decode = self._decode
-        if self._prefix == self._read:
-            before = ""
-        else:
-            before = decode(tokens[self._prefix:self._read], skip_special_tokens=True)
+        before = decode(tokens[self._prefix:self._read], skip_special_tokens=True) if self._read > self._prefix else ""
         after = decode(tokens[self._prefix:], skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self._prefix = self._read

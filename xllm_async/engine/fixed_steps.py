@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from .batch import GenerationBatch, fail_all
 from .beam import BeamRequest, BeamSearchBatch

