@@ -94,3 +94,21 @@ def test_json_access_log_lines(json_log_server):
     assert record["status"] == 200 and record["path"] == "/v1/completions" and record["method"] == "POST"
     assert record["prompt_tokens"] == 3 and record["output_tokens"] == 2
     assert record["ttft_ms"] > 0 and record["total_ms"] >= record["ttft_ms"] and record["bytes"] > 0
+
+
+async def test_metrics_can_be_turned_off(tiny_model_dir):
+    import asyncio
+
+    from xllm_async.config import Settings
+    from xllm_async.service import Service
+
+    service = Service(Settings(model=tiny_model_dir, port=0, metrics="off", access_log="off"))
+    await service.start()
+    try:
+        port = service.http.port
+        status, body, _ = await asyncio.to_thread(post, port, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        status, body, _ = await asyncio.to_thread(get, port, "/metrics")
+        assert status == 404 and b"off" in body
+    finally:
+        await service.shutdown()

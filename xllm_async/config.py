@@ -47,6 +47,7 @@ class Settings:
     item_unknown: str = "filter"
     log_level: str = "info"
     access_log: str = "plain"
+    metrics: str = "on"
 
 
 # --- value parsers: each returns the value or raises ValueError("what is allowed") ---
@@ -146,6 +147,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "item_unknown": (_choice("filter", "flag"), "beams naming no item: filter them out, or flag with item_id null"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
+    "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),
 }
 
 

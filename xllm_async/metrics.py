@@ -111,10 +111,24 @@ class PerSlot:
             yield f'{self.name}{{slot="{slot}"}} {float(value)}'
 
 
+class _Off:
+    """Stands in for every metric when metrics are turned off (to measure what they cost)."""
+
+    def observe(self, value: float) -> None:
+        pass
+
+    def inc(self, amount: float = 1.0, *labels) -> None:
+        pass
+
+    def render(self) -> Iterable[str]:
+        return ()
+
+
 class Metrics:
     """Every metric the server exports, in one place."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.ttft = Histogram("time_to_first_token_seconds", "Time from request arrival to its first token.")
         self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one sequence.")
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from request arrival to its last token.")
@@ -127,10 +141,16 @@ class Metrics:
         self.finished = Counter("request_success_total", "Sequences finished, by reason.", ("finished_reason",))
         self.http = Counter("http_requests_total", "HTTP responses, by status code.", ("status",))
         self._extra: list = []
+        if not enabled:
+            off = _Off()
+            for name, value in vars(self).items():
+                if isinstance(value, (Counter, Histogram)):
+                    setattr(self, name, off)
 
     def add(self, metric) -> None:
         """Register a scrape-time metric (gauges and per-slot figures owned by other parts)."""
-        self._extra.append(metric)
+        if self.enabled:
+            self._extra.append(metric)
 
     def render(self) -> bytes:
         lines: list[str] = []

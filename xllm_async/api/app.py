@@ -124,6 +124,8 @@ class OpenAIApp:
         }]}))
 
     async def prometheus(self, request: HttpRequest, responder: Responder) -> None:
+        if not self.metrics.enabled:
+            raise ApiError(404, "Metrics are turned off (XLLM_METRICS=off)")
         responder.send(200, self.metrics.render(), content_type=TEXT)
 
     async def info(self, request: HttpRequest, responder: Responder) -> None:
