@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test model lint clean
+.PHONY: install serve test model lint clean bench seed sweep offline soak peers
 
 install: $(STAMP) model
 
@@ -31,6 +31,25 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# --- benchmarks (perf/RESULTS.md says what each measured) ---
+
+# The seed workload against a running server (make serve, or any OpenAI-compatible one).
+bench: install
+	$(PY) perf/bench_serving.py --random-input 320 --random-output 1 --num-prompts 100 --max-concurrency 2 $(BENCH_ARGS)
+
+# xLLM's seed comparison: continuous N=1 vs fixed_steps N=2, same model, interleaved, at concurrency 2 and 32.
+seed: install
+	$(PY) perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 200 --rounds 3 $(SWEEP_ARGS)
+
+sweep: install
+	$(PY) perf/sweep.py $(SWEEP_ARGS)
+
+offline: install
+	$(PY) perf/offline.py $(OFFLINE_ARGS)
+
+soak: install
+	$(PY) perf/soak.py $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(PIP) install -q ruff && $(VENV)/bin/ruff check .

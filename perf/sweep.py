@@ -1,0 +1,448 @@
+"""Concurrency sweep: starts each server configuration itself, runs bench_serving's workload
+at every concurrency against it, and writes a CSV, two PNG plots and a summary table.
+
+    python perf/sweep.py --concurrency 1,2,4,8,16,32,64 --rounds 3 \\
+        --config "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1" \\
+        --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2"
+
+A configuration is NAME=ARGS: ARGS are server.py flags, added after
+`server.py --model MODEL --port P --access-log off`. The first configuration is the baseline
+that the others' throughput is divided by.
+
+Rounds interleave the configurations (round 1: A then B, round 2: A then B, ...), each
+started fresh, so that slow drift on a shared machine falls on all of them alike; the plots
+and the summary show the median over rounds.
+
+Every point sends the same random prompts (bench_serving's `make_random_prompts`, one seed)
+through bench_serving's `benchmark()`, in this process. A server that was just started is
+warmed up first: a few requests at the largest concurrency, not measured. Rows are appended
+to the CSV as they are measured, so an interrupted sweep keeps what it had.
+
+Without --model, a tiny random Qwen3 is built once under perf/results/models/ (nothing is
+downloaded). Servers are run by the Python that runs this script; they are stopped on exit,
+on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import http.client
+import importlib.util
+import math
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+
+PERF_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(PERF_DIR)
+DEFAULT_MODEL = os.path.join(PERF_DIR, "results", "models", "qwen3-tiny")
+DEFAULT_CONFIGS = (
+    "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1",
+    "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2",
+)
+# Prefill-heavy, as the traffic the server is built for; shared with offline.py.
+DEFAULT_INPUT = 256
+DEFAULT_OUTPUT = 16
+START_TIMEOUT = 300.0  # seconds for a server to load the model and answer /health
+STOP_TIMEOUT = 15.0  # seconds between SIGTERM and SIGKILL
+
+# CSV columns, and the bench_serving metric each one is read from.
+METRIC_COLUMNS = {
+    "req_per_s": "request_throughput",
+    "output_tok_per_s": "output_throughput",
+    "mean_e2e_ms": "mean_e2e_latency_ms",
+    "median_e2e_ms": "median_e2e_latency_ms",
+    "p90_e2e_ms": "p90_e2e_latency_ms",
+    "p99_e2e_ms": "p99_e2e_latency_ms",
+    "mean_ttft_ms": "mean_ttft_ms",
+    "p99_ttft_ms": "p99_ttft_ms",
+    "failed": "failed",
+}
+CSV_COLUMNS = ["config", "concurrency", "round", *METRIC_COLUMNS, "completed", "num_prompts", "duration_s"]
+
+
+class SweepError(Exception):
+    """The sweep cannot go on (bad arguments, a server that does not start or dies): one line for the user."""
+
+
+def load_perf_script(name: str):
+    """perf/<name>.py as a module: perf/ is a folder of scripts, not a package."""
+    if name in sys.modules:  # already loaded (a test, or offline.py loading us)
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(PERF_DIR, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_perf_script("bench_serving")
+
+
+# --- arguments -------------------------------------------------------------------------------
+
+
+def parse_config(text: str) -> tuple[str, list[str]]:
+    """'NAME=ARGS' -> (NAME, ARGS split as a shell would)."""
+    name, sep, args = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise SweepError(f"--config must be NAME=ARGS, got {text!r}")
+    try:
+        return name, shlex.split(args)
+    except ValueError as exc:
+        raise SweepError(f"--config {name}: cannot split its arguments: {exc}") from None
+
+
+def parse_configs(texts: list[str]) -> dict[str, list[str]]:
+    """The configurations in the order given (the first is the baseline); names must differ."""
+    configs: dict[str, list[str]] = {}
+    for text in texts:
+        name, args = parse_config(text)
+        if name in configs:
+            raise SweepError(f"--config {name} is given twice")
+        configs[name] = args
+    return configs
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; each a positive integer, no repeats."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SweepError(f"--concurrency must be integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise SweepError(f"--concurrency must be distinct positive integers, got {text!r}")
+    return values
+
+
+def prompts_for(concurrency: int, num_prompts: int | None) -> int:
+    """Enough prompts that every connection sends several: max(100, 4 * concurrency) unless fixed."""
+    return num_prompts or max(100, 4 * concurrency)
+
+
+# --- the model and the servers ---------------------------------------------------------------
+
+
+def ensure_model(path: str) -> str:
+    """The model folder; the default tiny random Qwen3 is built the first time it is needed."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.abspath(path) != DEFAULT_MODEL:
+        raise SweepError(f"--model {path}: no config.json there")
+    print(f"building the tiny random Qwen3 at {path} (once)", flush=True)
+    subprocess.run([sys.executable, "-m", "xllm_async.random_model", path, "--size", "tiny"], cwd=ROOT,
+                   check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_ok(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def log_tail(path: str, lines: int = 20) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+@contextmanager
+def running_server(model: str, args: list[str], log_path: str) -> Iterator[str]:
+    """server.py in a subprocess on a free port; yields its base URL once /health answers 200,
+    and stops it (SIGTERM, then SIGKILL) however the block ends. Only this process is signalled."""
+    port = free_port()
+    command = [sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--port", str(port),
+               "--access-log", "off", *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not health_ok(port):
+            if proc.poll() is not None:
+                raise SweepError(f"server exited with {proc.returncode} ({shlex.join(args)}):\n{log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise SweepError(f"server not healthy after {START_TIMEOUT:.0f} s:\n{log_tail(log_path)}")
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+        if proc.poll() is not None:
+            raise SweepError(f"server died during the sweep (exit {proc.returncode}):\n{log_tail(log_path)}")
+    finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:  # still draining in-flight requests after an interrupt
+        proc.kill()
+        proc.wait()
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def make_row(config: str, concurrency: int, round_index: int, metrics: dict) -> dict:
+    """One CSV row from bench_serving's metrics of one point."""
+    row = {"config": config, "concurrency": concurrency, "round": round_index}
+    row.update({column: metrics[key] for column, key in METRIC_COLUMNS.items()})
+    row.update(completed=metrics["completed"], num_prompts=metrics["num_prompts"], duration_s=metrics["duration"])
+    return row
+
+
+class CsvLog:
+    """The sweep's CSV; each row is appended as its point is measured, so an interrupted sweep keeps it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "w", newline="") as f:
+            csv.DictWriter(f, CSV_COLUMNS).writeheader()
+
+    def add(self, row: dict) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, CSV_COLUMNS).writerow({k: f"{v:.3f}" if isinstance(v, float) else v
+                                                     for k, v in row.items()})
+
+
+async def sweep_server(base_url: str, prompts: list, tokenizer, args: argparse.Namespace,
+                       record: Callable[[int, dict], None]) -> None:
+    """Warm the server up, then measure every concurrency in order, handing each (concurrency,
+    metrics) to record as soon as it is measured."""
+    model = (await bench.fetch_model_info(base_url))["id"]
+    common = {"tokenizer": tokenizer, "model": model, "stream": args.stream, "seed": args.seed}
+    top = max(args.concurrency)
+    # Unmeasured: the first forwards at new shapes pay for allocations, and connections are new.
+    warm = await bench.benchmark(base_url, prompts[:args.warmup_prompts], max_concurrency=top, **common)
+    if warm["failed"]:
+        raise SweepError(f"warm-up failed: {warm['first_error']}")
+    for concurrency in args.concurrency:
+        count = prompts_for(concurrency, args.num_prompts)
+        metrics = await bench.benchmark(base_url, prompts[:count], max_concurrency=concurrency,
+                                        warmup_requests=1, **common)
+        record(concurrency, metrics)
+        print(f"  concurrency {concurrency:>4}: {metrics['request_throughput']:8.2f} req/s, "
+              f"median E2E {metrics['median_e2e_latency_ms']:8.1f} ms, failed {metrics['failed']}", flush=True)
+
+
+def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: CsvLog) -> list[dict]:
+    """Every round, every configuration started in turn and swept; returns the CSV rows."""
+    tokenizer = bench.load_tokenizer(args.model)
+    # One list for every point: the same seed gives each point the same first prompts.
+    most = max(max(prompts_for(c, args.num_prompts) for c in args.concurrency), args.warmup_prompts)
+    prompts = bench.make_random_prompts(tokenizer, most, args.random_input, args.random_output, seed=args.seed)
+    rows = []
+    for round_index in range(1, args.rounds + 1):
+        for name, server_args in configs.items():
+            print(f"round {round_index}/{args.rounds}: {name} ({shlex.join(server_args)})", flush=True)
+
+            def record(concurrency: int, metrics: dict, name: str = name, round_index: int = round_index) -> None:
+                rows.append(make_row(name, concurrency, round_index, metrics))
+                csv_log.add(rows[-1])
+
+            log_path = os.path.join(args.out_dir, f"server-{safe_name(name)}-round{round_index}.log")
+            with running_server(args.model, server_args, log_path) as base_url:
+                asyncio.run(sweep_server(base_url, prompts, tokenizer, args, record))
+    return rows
+
+
+def safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+def medians(rows: list[dict]) -> dict[tuple[str, int], dict[str, float]]:
+    """(config, concurrency) -> the median over rounds of every metric column."""
+    grouped: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["config"], row["concurrency"]), []).append(row)
+    return {key: {column: statistics.median(r[column] for r in group) for column in METRIC_COLUMNS}
+            for key, group in grouped.items()}
+
+
+def throughput_ratios(summary: dict[tuple[str, int], dict[str, float]], configs: list[str],
+                      concurrencies: list[int]) -> dict[int, dict[str, float]]:
+    """concurrency -> config -> its req/s over the first config's (nan where either is missing or zero)."""
+    ratios: dict[int, dict[str, float]] = {}
+    for concurrency in concurrencies:
+        base = summary.get((configs[0], concurrency), {}).get("req_per_s", 0.0)
+        ratios[concurrency] = {}
+        for config in configs:
+            value = summary.get((config, concurrency), {}).get("req_per_s")
+            ratios[concurrency][config] = value / base if value is not None and base else math.nan
+    return ratios
+
+
+def format_summary(summary: dict[tuple[str, int], dict[str, float]], configs: list[str],
+                   concurrencies: list[int]) -> str:
+    """The medians as a table: one line per (config, concurrency)."""
+    width = max(len(c) for c in configs + ["config"])
+    header = (f"{'config':<{width}} {'conc':>5} {'req/s':>9} {'out tok/s':>10} {'p50 E2E ms':>11} "
+              f"{'p99 E2E ms':>11} {'mean TTFT':>10} {'failed':>7}")
+    lines = [header]
+    for config in configs:
+        for concurrency in concurrencies:
+            m = summary.get((config, concurrency))
+            if m is None:
+                continue
+            lines.append(f"{config:<{width}} {concurrency:>5} {m['req_per_s']:>9.2f} {m['output_tok_per_s']:>10.1f} "
+                         f"{m['median_e2e_ms']:>11.1f} {m['p99_e2e_ms']:>11.1f} {m['mean_ttft_ms']:>10.1f} "
+                         f"{m['failed']:>7g}")
+    return "\n".join(lines)
+
+
+def format_ratios(ratios: dict[int, dict[str, float]], configs: list[str]) -> str:
+    """Throughput of every config over the first one's, one line per concurrency."""
+    width = max(len(c) for c in configs) + 2
+    lines = [f"throughput / {configs[0]}",
+             f"{'conc':>5}" + "".join(f"{config:>{width}}" for config in configs)]
+    for concurrency, by_config in ratios.items():
+        lines.append(f"{concurrency:>5}" + "".join(f"{by_config[config]:>{width}.2f}" for config in configs))
+    return "\n".join(lines)
+
+
+def plot(summary: dict[tuple[str, int], dict[str, float]], configs: list[str], concurrencies: list[int],
+         out_dir: str) -> list[str]:
+    """throughput.png (req/s) and latency.png (P50 and P99 E2E) against concurrency on a log2
+    axis, one line per configuration; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    throughput_path = os.path.join(out_dir, "throughput.png")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw_lines(ax, summary, configs, concurrencies, "req_per_s", "requests/s")
+    ax.set_title("Throughput")
+    fig.tight_layout()
+    fig.savefig(throughput_path, dpi=120)
+    plt.close(fig)
+
+    latency_path = os.path.join(out_dir, "latency.png")
+    fig, (p50, p99) = plt.subplots(1, 2, figsize=(12, 4.5))
+    draw_lines(p50, summary, configs, concurrencies, "median_e2e_ms", "ms")
+    p50.set_title("P50 end-to-end latency")
+    draw_lines(p99, summary, configs, concurrencies, "p99_e2e_ms", "ms")
+    p99.set_title("P99 end-to-end latency")
+    fig.tight_layout()
+    fig.savefig(latency_path, dpi=120)
+    plt.close(fig)
+    return [throughput_path, latency_path]
+
+
+def draw_lines(ax, summary: dict, configs: list[str], concurrencies: list[int], column: str, ylabel: str) -> None:
+    for config in configs:
+        points = [(c, summary[(config, c)][column]) for c in concurrencies if (config, c) in summary]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=config)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
+def report(rows: list[dict], configs: list[str], concurrencies: list[int], out_dir: str) -> None:
+    """Print the summary and the ratios, and draw the plots (skipped without matplotlib)."""
+    summary = medians(rows)
+    print()
+    print(format_summary(summary, configs, concurrencies))
+    print()
+    print(format_ratios(throughput_ratios(summary, configs, concurrencies), configs))
+    try:
+        paths = plot(summary, configs, concurrencies, out_dir)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return
+    print("plots: " + ", ".join(paths))
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", metavar="NAME=ARGS",
+                        help="a server configuration, repeatable (default: continuous-N1 and fixed_steps-N2)")
+    parser.add_argument("--concurrency", type=parse_concurrencies, default=[1, 2, 4, 8, 16, 32, 64],
+                        help="comma-separated concurrencies (default: 1,2,4,8,16,32,64)")
+    parser.add_argument("--rounds", type=int, default=1, help="sweeps of every configuration, interleaved")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model folder (default: a tiny random Qwen3, built once)")
+    parser.add_argument("--random-input", type=int, default=DEFAULT_INPUT, help="prompt tokens")
+    parser.add_argument("--random-output", type=int, default=DEFAULT_OUTPUT, help="output tokens")
+    parser.add_argument("--num-prompts", type=int, help="prompts per point (default: max(100, 4 * concurrency))")
+    parser.add_argument("--warmup-prompts", type=int, default=16, help="unmeasured requests after each start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE or whole responses")
+    parser.add_argument("--out-dir", help="where the CSV, plots and server logs go "
+                                          "(default: perf/results/sweep-<timestamp>)")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    if args.rounds < 1 or (args.num_prompts is not None and args.num_prompts < 1) or args.warmup_prompts < 1:
+        raise SweepError("--rounds, --num-prompts and --warmup-prompts must be at least 1")
+    args.out_dir = args.out_dir or os.path.join(PERF_DIR, "results", f"sweep-{datetime.now():%Y%m%d-%H%M%S}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    args.model = ensure_model(args.model)
+    return parse_configs(args.config or list(DEFAULT_CONFIGS))
+
+
+def interrupt_on_sigterm() -> None:
+    # SIGTERM would end Python without running finally blocks; as an interrupt it stops the servers like Ctrl-C.
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    interrupt_on_sigterm()
+    bench.raise_open_file_limit()
+    try:
+        configs = check_args(args)
+        csv_log = CsvLog(os.path.join(args.out_dir, "sweep.csv"))
+        rows = run_sweep(args, configs, csv_log)
+    except (SweepError, bench.BenchmarkError) as exc:
+        print(f"sweep: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nsweep: interrupted; the points measured so far are in {args.out_dir}", file=sys.stderr)
+        return 130
+    report(rows, list(configs), args.concurrency, args.out_dir)
+    print(f"csv: {csv_log.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

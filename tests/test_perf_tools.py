@@ -1,0 +1,190 @@
+"""perf/sweep.py's pure pieces (arguments, CSV rows, medians, ratios, plots) and perf/offline.py's
+measurement on the tiny model: exact counts of the batches, requests and tokens it ran."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+def _load_perf_script(name: str):
+    # perf/ is a folder of scripts, not a package: load the file as a module of its own.
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "perf", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep = _load_perf_script("sweep")
+offline = _load_perf_script("offline")
+
+
+# --- sweep: arguments ---
+
+
+def test_config_is_a_name_and_shell_split_server_flags():
+    name, args = sweep.parse_config("fixed_steps-N2=--scheduler fixed_steps --served-model-name 'a b'")
+    assert name == "fixed_steps-N2"
+    assert args == ["--scheduler", "fixed_steps", "--served-model-name", "a b"]
+    assert sweep.parse_config("bare=") == ("bare", [])
+
+
+@pytest.mark.parametrize("text", ["no-equals-sign", "=--scheduler continuous", "x=--flag 'unclosed"])
+def test_malformed_config_is_refused(text):
+    with pytest.raises(sweep.SweepError):
+        sweep.parse_config(text)
+
+
+def test_configs_keep_their_order_and_refuse_a_repeated_name():
+    configs = sweep.parse_configs(list(sweep.DEFAULT_CONFIGS))
+    assert list(configs) == ["continuous-N1", "fixed_steps-N2"]
+    assert configs["fixed_steps-N2"] == ["--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "2"]
+    with pytest.raises(sweep.SweepError):
+        sweep.parse_configs(["a=--x", "a=--y"])
+
+
+def test_concurrencies_are_distinct_positive_integers():
+    assert sweep.parse_concurrencies("1,2,4, 64") == [1, 2, 4, 64]
+    for bad in ("", "1,x", "0,2", "2,2"):
+        with pytest.raises(sweep.SweepError):
+            sweep.parse_concurrencies(bad)
+
+
+def test_prompts_per_point_default_to_four_per_connection_and_at_least_100():
+    assert sweep.prompts_for(1, None) == 100
+    assert sweep.prompts_for(64, None) == 256
+    assert sweep.prompts_for(64, 50) == 50
+
+
+def test_a_missing_model_folder_other_than_the_default_is_an_error(tmp_path):
+    with pytest.raises(sweep.SweepError):
+        sweep.ensure_model(str(tmp_path / "nowhere"))
+
+
+# --- sweep: rows, medians, ratios, report ---
+
+
+def metrics(req_per_s: float, p50: float = 100.0, failed: int = 0) -> dict:
+    """The bench_serving figures make_row reads, as benchmark() names them."""
+    return {"request_throughput": req_per_s, "output_throughput": req_per_s * 16, "mean_e2e_latency_ms": p50 + 5,
+            "median_e2e_latency_ms": p50, "p90_e2e_latency_ms": p50 * 1.5, "p99_e2e_latency_ms": p50 * 2,
+            "mean_ttft_ms": p50 / 10, "p99_ttft_ms": p50 / 5, "failed": failed, "completed": 100 - failed,
+            "num_prompts": 100, "duration": 100 / req_per_s}
+
+
+def test_row_has_every_csv_column_from_the_benchmark_metrics(tmp_path):
+    row = sweep.make_row("A", 8, 2, metrics(40.0, p50=120.0, failed=1))
+    assert list(row) == sweep.CSV_COLUMNS
+    assert row["config"] == "A" and row["concurrency"] == 8 and row["round"] == 2
+    assert row["req_per_s"] == 40.0 and row["output_tok_per_s"] == 640.0
+    assert row["median_e2e_ms"] == 120.0 and row["p99_e2e_ms"] == 240.0 and row["p99_ttft_ms"] == 24.0
+    assert row["failed"] == 1 and row["completed"] == 99 and row["duration_s"] == 2.5
+
+    sweep.CsvLog(str(tmp_path / "sweep.csv")).add(row)
+    with open(tmp_path / "sweep.csv") as f:
+        (read,) = list(csv.DictReader(f))
+    assert read["config"] == "A" and float(read["req_per_s"]) == 40.0 and read["failed"] == "1"
+
+
+def hand_made_rows() -> list[dict]:
+    """Two configs, two concurrencies, three rounds; B has no point at concurrency 4."""
+    rows = []
+    for round_index, noise in enumerate((1.0, 1.2, 0.9), start=1):
+        rows.append(sweep.make_row("A", 1, round_index, metrics(10 * noise, p50=50 * noise)))
+        rows.append(sweep.make_row("A", 4, round_index, metrics(20 * noise, p50=80 * noise)))
+        rows.append(sweep.make_row("B", 1, round_index, metrics(30 * noise, p50=40 * noise)))
+    return rows
+
+
+def test_medians_over_rounds_and_ratios_to_the_first_config():
+    summary = sweep.medians(hand_made_rows())
+    assert summary[("A", 1)]["req_per_s"] == pytest.approx(10.0)
+    assert summary[("A", 4)]["median_e2e_ms"] == pytest.approx(80.0)
+    assert summary[("B", 1)]["req_per_s"] == pytest.approx(30.0)
+    ratios = sweep.throughput_ratios(summary, ["A", "B"], [1, 4])
+    assert ratios[1] == {"A": 1.0, "B": pytest.approx(3.0)}
+    assert ratios[4]["A"] == 1.0 and math.isnan(ratios[4]["B"])
+
+
+def test_summary_and_ratio_tables_name_every_point():
+    summary = sweep.medians(hand_made_rows())
+    table = sweep.format_summary(summary, ["A", "B"], [1, 4])
+    assert len(table.splitlines()) == 1 + 3  # header, A@1, A@4, B@1
+    ratios = sweep.format_ratios(sweep.throughput_ratios(summary, ["A", "B"], [1, 4]), ["A", "B"])
+    assert "3.00" in ratios and "nan" in ratios
+
+
+def test_plots_are_written_as_non_empty_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = sweep.plot(sweep.medians(hand_made_rows()), ["A", "B"], [1, 4], str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["throughput.png", "latency.png"]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(path) > 1000
+
+
+# --- offline ---
+
+
+def test_quota_hands_out_a_fixed_number_of_batches_or_at_least_one_before_the_deadline():
+    quota = offline.BatchQuota(batches=3)
+    assert [quota.claim() for _ in range(5)] == [0, 1, 2, None, None]
+    timed = offline.BatchQuota(seconds=0.0)
+    assert timed.claim() == 0
+    with pytest.raises(ValueError):
+        offline.BatchQuota()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    import torch
+
+    return offline.ModelRunner(tiny_model_dir, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def pool(runner):
+    return [p.prompt for p in offline.bench.make_random_prompts(runner.tokenizer, 8, 8, 2, seed=0)]
+
+
+@pytest.fixture
+def one_slot(runner):
+    slots = offline.start_slots(runner.device, 1)
+    yield slots
+    for slot in slots:
+        slot.stop()
+
+
+def test_offline_throughput_counts_exactly_the_requests_and_tokens_it_ran(runner, pool, one_slot):
+    measured = offline.measure_throughput(runner, one_slot, pool, batch_size=2, output_len=2,
+                                          quota=offline.BatchQuota(batches=2))
+    # The unmeasured warm-up batch is not counted.
+    assert (measured.batches, measured.requests, measured.prompt_tokens, measured.output_tokens) == (2, 4, 32, 8)
+    record = measured.record("throughput")
+    assert record["request_throughput"] == pytest.approx(4 / measured.seconds)
+    assert record["output_throughput"] == pytest.approx(8 / measured.seconds)
+    assert len(measured.batch_seconds) == 2 and record["median_batch_ms"] > 0
+
+
+def test_offline_latency_runs_one_request_at_a_time(runner, pool, one_slot):
+    measured = offline.measure_latency(runner, one_slot, pool, output_len=2, runs=3)
+    assert (measured.batches, measured.requests, measured.output_tokens) == (3, 3, 6)
+    assert offline.describe_slot(one_slot[0]).startswith("cpu with")
+
+
+def test_offline_table_lists_throughput_points_then_latencies(runner, pool, one_slot):
+    latency = offline.measure_latency(runner, one_slot, pool, output_len=2, runs=1).record("latency", slot="cpu")
+    point = offline.measure_throughput(runner, one_slot, pool, 2, 2, offline.BatchQuota(batches=1)).record("throughput")
+    lines = offline.format_table([latency, point]).splitlines()
+    assert len(lines) == 3 and lines[1].split()[:3] == ["1", "2", "1"] and "single request" in lines[2]
