@@ -51,8 +51,12 @@ offline: install
 soak: install
 	$(PY) perf/soak.py $(SOAK_ARGS)
 
+# LitServe and a naive FastAPI server on the same workload; their packages go in perf/peers/.venv only.
+peers: install
+	$(PY) perf/peers/compare.py $(PEERS_ARGS)
+
 lint: $(STAMP)
 	$(PIP) install -q ruff && $(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache perf/peers/.venv
