@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test model lint clean bench seed sweep offline soak peers
+.PHONY: install serve test model lint clean bench seed sweep offline soak peers profile
 
 install: $(STAMP) model
 
@@ -50,6 +50,11 @@ offline: install
 
 soak: install
 	$(PY) perf/soak.py $(SOAK_ARGS)
+
+# Where a served request's CPU time goes (py-spy, a sampling profiler, is installed for it).
+profile: install
+	$(PIP) install -q py-spy
+	$(PY) perf/profile_server.py $(PROFILE_ARGS)
 
 # LitServe and a naive FastAPI server on the same workload; their packages go in perf/peers/.venv only.
 peers: install

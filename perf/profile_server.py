@@ -1,0 +1,162 @@
+"""Where a served request's time goes: a sampling profile of the server under load,
+folded into the stages a request passes through, next to the CPU time of the server
+and the load client (which share this machine).
+
+    python perf/profile_server.py --concurrency 32 --seconds 8
+
+It starts server.py on the tiny perf model (or --model), drives it with
+perf/bench_serving.py in a subprocess, records the server with py-spy (all threads,
+`--native` off) and folds every sample by the innermost frame that names a stage:
+
+  parse      HTTP parsing and JSON/field validation (http/protocol, api/requests, api/fields)
+  tokenise   text -> token ids (only string prompts; token-id prompts skip it)
+  schedule   batcher, budgets, engine bookkeeping, delivery to waiting handlers
+  forward    the model forward (torch / transformers)
+  sample     logits -> tokens (engine/sampling)
+  detokenise token ids -> text (engine/detokenizer, tokenizer.decode)
+  respond    response JSON and SSE framing (api/responses, api/app)
+  write      transport writes (http/response, protocol.write)
+  loop       the event loop itself: uvloop, socket reads, callbacks
+  (py-spy leaves out samples of threads that are waiting: only busy time is folded)
+Wall-clock time spent waiting in the queue is not CPU: it comes from the server's own
+xllm:request_queue_time_seconds histogram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (stage, fragments of a frame that place a sample in it), checked innermost frame first.
+STAGES = [
+    ("sample", ("engine/sampling.py",)),
+    ("detokenise", ("engine/detokenizer.py", "tokenization_utils", "decode (")),
+    ("tokenise", ("encode (", "apply_chat_template")),
+    ("forward", ("torch/", "transformers/", "model_runner.py")),
+    ("parse", ("http/protocol.py", "api/requests.py", "api/fields.py", "parse_json")),
+    ("respond", ("api/responses.py", "api/app.py", "access_log.py")),
+    ("write", ("http/response.py",)),
+    ("schedule", ("engine/", "runtime/executor.py", "metrics.py")),
+]
+IDLE = ("Condition.wait", "SimpleQueue.get", "_wait_for_tstate_lock", "Event.wait", "select (", "epoll")
+
+
+def stage_of(frames: list[str]) -> str:
+    if not frames:  # a thread sampled outside any Python frame: the loop's C code, or waiting
+        return "loop"
+    innermost = frames[-1]
+    if any(mark in innermost for mark in IDLE):
+        return "idle"
+    for frame in reversed(frames):
+        for stage, marks in STAGES:
+            if any(mark in frame for mark in marks):
+                return stage
+    return "loop"
+
+
+def fold(raw_path: str) -> dict[str, dict[str, int]]:
+    """{thread kind: {stage: samples}} from py-spy's raw (collapsed) output."""
+    table: dict[str, dict[str, int]] = collections.defaultdict(collections.Counter)
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            thread = "slot" if "xllm-slot" in frames[0] else ("loop" if "MainThread" in frames[0] else "other")
+            table[thread][stage_of(frames[1:])] += int(count)
+    return table
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model folder (default: perf/results/models/qwen3-tiny, built once)")
+    parser.add_argument("--server-args", default="", help="extra server.py flags, e.g. '--scheduler continuous'")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--random-input", type=int, default=320)
+    parser.add_argument("--random-output", type=int, default=1)
+    parser.add_argument("--seconds", type=int, default=8, help="how long to profile, once the load runs")
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    args = parser.parse_args(argv)
+    py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(py_spy):
+        raise SystemExit("needs py-spy: pip install py-spy (make profile does it)")
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    from soak import default_model, start_server  # one way to build the model and start a server
+
+    model = args.model or default_model()
+    server, port = start_server(model, args.server_args.split())
+    prompts = max(200, int(args.seconds * 1000))  # more than the load can finish while profiled
+    client = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "perf", "bench_serving.py"), "--base-url", f"http://127.0.0.1:{port}",
+         "--random-input", str(args.random_input), "--random-output", str(args.random_output),
+         "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency), "--disable-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    raw = os.path.join(tempfile.mkdtemp(), "profile.txt")
+    try:
+        time.sleep(2.0)  # past the client's warm-up and tokenizer load
+        done_before = metric(port, "xllm:e2e_request_latency_seconds_count")
+        queue_before = metric(port, "xllm:request_queue_time_seconds_sum")
+        cpu_before = (cpu_seconds(server.pid), cpu_seconds(client.pid))
+        started = time.monotonic()
+        subprocess.run([py_spy, "record", "-p", str(server.pid), "-d", str(int(args.seconds)), "-r", str(args.rate),
+                        "-f", "raw", "-o", raw, "--threads", "--nonblocking"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wall = time.monotonic() - started
+        done = metric(port, "xllm:e2e_request_latency_seconds_count") - done_before
+        queue = metric(port, "xllm:request_queue_time_seconds_sum") - queue_before
+        cpu_server = cpu_seconds(server.pid) - cpu_before[0]
+        cpu_client = cpu_seconds(client.pid) - cpu_before[1]
+    finally:
+        client.kill()
+        server.terminate()
+        server.wait(60)
+    report(fold(raw), done, wall, queue, cpu_server, cpu_client, args)
+    return 0
+
+
+def report(table: dict, done: float, wall: float, queue: float, cpu_server: float, cpu_client: float,
+           args: argparse.Namespace) -> None:
+    rate = done / wall
+    print(f"load: concurrency {args.concurrency}, {args.random_input} tokens in, {args.random_output} out; "
+          f"{rate:.0f} req/s over {wall:.1f} s profiled; server flags: {args.server_args or '(defaults)'}")
+    print(f"CPU per request: server {cpu_server / done * 1000:.2f} ms, load client {cpu_client / done * 1000:.2f} ms "
+          f"(machine: {os.cpu_count()} cores = {os.cpu_count() / rate * 1000:.2f} core-ms per request available)")
+    print(f"mean wait in the queue: {queue / done * 1000:.2f} ms per request (wall clock, not CPU)")
+    stages = ["parse", "tokenise", "schedule", "forward", "sample", "detokenise", "respond", "write", "loop", "idle"]
+    print(f"\n{'thread':<7}" + "".join(f"{s:>11}" for s in stages) + "   (% of that thread's samples)")
+    for thread in ("loop", "slot"):
+        counts = table.get(thread, {})
+        total = sum(counts.values()) or 1
+        print(f"{thread:<7}" + "".join(f"{100 * counts.get(s, 0) / total:>10.1f}%" for s in stages))
+    busy = {s: sum(table[t].get(s, 0) for t in ("loop", "slot")) for s in stages if s != "idle"}
+    total_busy = sum(busy.values()) or 1
+    print("\nserver CPU by stage (busy samples of loop and slot threads):")
+    for stage, count in sorted(busy.items(), key=lambda kv: -kv[1]):
+        print(f"  {stage:<11} {100 * count / total_busy:5.1f}%  ~{cpu_server / done * 1000 * count / total_busy:.3f} "
+              f"ms per request")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
