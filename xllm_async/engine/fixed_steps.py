@@ -4,6 +4,7 @@ on one of N execution slots, several batches in flight at once."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -21,10 +22,10 @@ class FixedStepsBatcher:
     """A coroutine on the event loop that forms batches and hands them to free slots.
 
     It sleeps until a request arrives (never polls), waits for a free slot,
-    only then takes the batch (so requests that arrived meanwhile join it),
-    hands it over and goes straight back to forming the next one. The slot
-    thread runs prefill and every decode round, delivering each step's tokens
-    as they exist, then frees itself.
+    lets the batch fill while another slot is busy (see _fill), only then
+    takes the batch, hands it over and goes straight back to forming the
+    next. The slot thread runs prefill and every decode round, delivering
+    each step's tokens as they exist, then frees itself.
     """
 
     def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
@@ -35,7 +36,8 @@ class FixedStepsBatcher:
         self.waiting: deque[EngineRequest] = deque()
         self._deliver = deliver  # thread-safe: schedules delivery on the loop
         self._loop = loop
-        self._arrived = asyncio.Event()
+        self._arrived = asyncio.Event()  # a request arrived or a slot came free
+        self._last_batch = (0, 0.0)  # (requests, prefill seconds) of the batch that finished last
         self._free: asyncio.Queue = asyncio.Queue()
         self._num_slots = len(slots)
         for slot in slots:
@@ -67,20 +69,54 @@ class FixedStepsBatcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             slot = await self._free.get()
+            await self._fill()
             batch = self.budget.take(self.waiting)
             if not batch:  # everything that waited was aborted
                 self._free.put_nowait(slot)
                 continue
-            slot.submit(lambda slot=slot, batch=batch: self._run_to_completion(slot, batch))
+            slot.submit(functools.partial(self._run_to_completion, slot, batch))
+
+    async def _fill(self) -> None:
+        """Let a batch fill up before it starts, when that is likely to pay.
+
+        Clients in a closed loop send their next requests right after their
+        answers, so when a batch of k has just finished, about k requests are on
+        their way; a slot that starts on the first of them runs a batch of one,
+        and the next batches stay small. So, while another slot is still busy
+        (an idle server never waits), wait until as many requests wait as the
+        last finished batch held, or a slot comes free, but never longer than
+        that batch's prefill took: a request waits at most one prefill's time
+        for company. Every wake-up is an arrival, a freed slot or that one
+        deadline; nothing polls.
+        """
+        size, prefill_seconds = self._last_batch
+        if len(self.waiting) >= size or self.busy_slots <= 1:
+            return
+        deadline = self._loop.time() + prefill_seconds
+        timer = self._loop.call_at(deadline, self._arrived.set)
+        try:
+            while (len(self.waiting) < min(size, self.budget.max_seqs) and self.busy_slots > 1
+                   and self._loop.time() < deadline):
+                self._arrived.clear()
+                await self._arrived.wait()
+        finally:
+            timer.cancel()
+
+    def _release(self, slot, size: int, prefill_seconds: float) -> None:
+        self._last_batch = (size, prefill_seconds)
+        self._free.put_nowait(slot)
+        self._arrived.set()
 
     def _run_to_completion(self, slot, requests: list[EngineRequest]) -> None:
         """On the slot's thread: prefill, then decode rounds until every sequence is done."""
         batch = None
         started = time.perf_counter()
+        prefill_seconds = 0.0
         try:
             batch_type = BeamSearchBatch if isinstance(requests[0], BeamRequest) else GenerationBatch
             batch = batch_type(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
+            prefill_seconds = time.perf_counter() - started
             while batch:
                 self._deliver(batch.decode())
         except Exception as exc:
@@ -89,4 +125,4 @@ class FixedStepsBatcher:
         finally:
             slot.busy_seconds += time.perf_counter() - started
             slot.batches_run += 1
-            self._loop.call_soon_threadsafe(self._free.put_nowait, slot)
+            self._loop.call_soon_threadsafe(self._release, slot, len(requests), prefill_seconds)

@@ -1,0 +1,72 @@
+"""The fixed-steps batcher lets a batch fill while another slot is busy, and
+never makes a request wait when a slot is idle or for longer than a prefill."""
+
+from __future__ import annotations
+
+import asyncio
+
+from xllm_async.engine.budget import BatchBudget
+from xllm_async.engine.fixed_steps import FixedStepsBatcher
+from xllm_async.engine.request import EngineRequest
+from xllm_async.engine.sampling import SamplingParams
+
+
+class HeldSlot:
+    """A slot that keeps every job it is given (so it stays busy) and records its batch."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.batches: list[list] = []
+
+    def submit(self, job) -> None:
+        self.batches.append(job.args[1])  # functools.partial(_run_to_completion, slot, batch)
+
+
+def request() -> EngineRequest:
+    return EngineRequest(0, [1, 2, 3], SamplingParams(), sink=None)
+
+
+async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
+    await asyncio.sleep(0.01)  # let the batcher coroutine run
+    return [b for s in slots for b in s.batches]
+
+
+async def test_a_request_starts_at_once_when_no_other_slot_is_busy():
+    slots = [HeldSlot(0), HeldSlot(1)]
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
+                                asyncio.get_running_loop())
+    batcher.start()
+    batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill
+    batcher.add([request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1]
+    await batcher.stop()
+
+
+async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size():
+    slots = [HeldSlot(0), HeldSlot(1)]
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
+                                asyncio.get_running_loop())
+    batcher.start()
+    batcher.add([request()])
+    await started(batcher, slots)  # slot 0 is now busy for good
+    batcher._last_batch = (3, 10.0)
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1  # the lone request waits for company...
+    batcher.add([request(), request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 3]  # ...and leaves with it
+    await batcher.stop()
+
+
+async def test_the_wait_never_exceeds_the_last_prefill():
+    slots = [HeldSlot(0), HeldSlot(1)]
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
+                                asyncio.get_running_loop())
+    batcher.start()
+    batcher.add([request()])
+    await started(batcher, slots)
+    batcher._last_batch = (16, 0.05)
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1
+    await asyncio.sleep(0.08)
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
+    await batcher.stop()
