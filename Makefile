@@ -40,7 +40,8 @@ bench: install
 
 # xLLM's seed comparison: continuous N=1 vs fixed_steps N=2, same model, interleaved, at concurrency 2 and 32.
 seed: install
-	$(PY) perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 200 --rounds 3 $(SWEEP_ARGS)
+	$(PY) perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 200 --rounds 3 \
+		--tables $(SWEEP_ARGS)
 
 sweep: install
 	$(PY) perf/sweep.py $(SWEEP_ARGS)

@@ -246,6 +246,9 @@ async def sweep_server(base_url: str, prompts: list, tokenizer, args: argparse.N
         record(concurrency, metrics)
         print(f"  concurrency {concurrency:>4}: {metrics['request_throughput']:8.2f} req/s, "
               f"median E2E {metrics['median_e2e_latency_ms']:8.1f} ms, failed {metrics['failed']}", flush=True)
+        if args.tables:
+            metrics["backend"] = args.current_config
+            print(bench.format_table(metrics), flush=True)
 
 
 def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: CsvLog) -> list[dict]:
@@ -263,6 +266,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
                 rows.append(make_row(name, concurrency, round_index, metrics))
                 csv_log.add(rows[-1])
 
+            args.current_config = name  # the label of the full tables
             log_path = os.path.join(args.out_dir, f"server-{safe_name(name)}-round{round_index}.log")
             with running_server(args.model, server_args, log_path) as base_url:
                 asyncio.run(sweep_server(base_url, prompts, tokenizer, args, record))
@@ -402,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, help="prompts per point (default: max(100, 4 * concurrency))")
     parser.add_argument("--warmup-prompts", type=int, default=16, help="unmeasured requests after each start")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tables", action="store_true",
+                        help="also print each run's full \"Serving Benchmark Result\" table")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE or whole responses")
     parser.add_argument("--out-dir", help="where the CSV, plots and server logs go "
                                           "(default: perf/results/sweep-<timestamp>)")
