@@ -36,9 +36,6 @@ class Counter:
         with self._lock:
             self._values[labels] = self._values.get(labels, 0.0) + amount
 
-    def value(self, *labels) -> float:
-        return self._values.get(labels, 0.0)
-
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} counter"
@@ -75,10 +72,6 @@ class Histogram:
         with self._lock:
             self._counts[index] += 1
             self._sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self._counts)
 
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"

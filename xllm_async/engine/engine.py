@@ -24,7 +24,6 @@ class Engine:
                  max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
         self.runner = runner
         self.slots = slots
-        self.scheduler_name = scheduler
         self.max_queued_requests = max_queued_requests
         self.queue_timeout = queue_timeout  # 0 = a request may wait as long as it takes
         self.metrics = metrics or Metrics()
@@ -48,14 +47,6 @@ class Engine:
         self.metrics.add(PerSlot("slot_batches_total", "Prefill batches each execution slot ran.",
                                  "counter", lambda: [s.batches_run for s in slots]))
         self.scheduler.start()
-
-    @property
-    def tokenizer(self):
-        return self.runner.tokenizer
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
 
     def submit(self, requests: list[EngineRequest]) -> None:
         """Queue the sequences of one API request; all of them or none."""

@@ -83,18 +83,10 @@ class Responder:
         last = self._frame(data) if data else b""
         self._finish(last + b"0\r\n\r\n" if self._chunked else last)
 
-    @property
-    def writing_paused(self) -> bool:
-        return self._conn.writing_paused
-
     async def drain(self) -> None:
         """Wait until the client has read enough; free when it keeps up."""
         if self._conn.writing_paused:
             await self._conn.wait_writable()
-
-    @property
-    def disconnected(self) -> bool:
-        return self._conn.closed
 
     def _frame(self, data: bytes) -> bytes:
         return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data

@@ -97,11 +97,6 @@ class StreamBinding:
         # Inference mode is thread-local too: each slot thread turns it on itself.
         self._stack.enter_context(torch.inference_mode())
 
-    def synchronize(self) -> None:
-        """Wait for this thread's queued device work (no-op on CPU)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
     def exit(self) -> None:
         self._stack.close()
 
