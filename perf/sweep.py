@@ -26,7 +26,6 @@ on Ctrl-C and on SIGTERM.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import http.client
 import importlib.util
@@ -269,7 +268,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
             args.current_config = name  # the label of the full tables
             log_path = os.path.join(args.out_dir, f"server-{safe_name(name)}-round{round_index}.log")
             with running_server(args.model, server_args, log_path) as base_url:
-                asyncio.run(sweep_server(base_url, prompts, tokenizer, args, record))
+                bench.run(sweep_server(base_url, prompts, tokenizer, args, record))
     return rows
 
 

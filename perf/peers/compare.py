@@ -306,7 +306,7 @@ def run_all(args: argparse.Namespace, servers: list[Server], model: str) -> list
                     got = asyncio.run(greedy_texts(base_url, prompts[0], name))
                     ours = got if server.name == OURS else ours
                     same[server.name] = same_text(server.name, got, ours)
-                results = asyncio.run(measure(base_url, pgid, server.name, prompts, tokenizer, name, args))
+                results = bench.run(measure(base_url, pgid, server.name, prompts, tokenizer, name, args))
             for concurrency, metrics in results.items():
                 row = {**metrics, "suite": "peers", "server": server.name, "round": round_index + 1,
                        "concurrency": concurrency, "model_dir": model, "random_input": args.random_input,
