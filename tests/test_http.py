@@ -131,3 +131,13 @@ def test_many_short_connections(server):
     for _ in range(200):
         raw = raw_exchange(server.port, request("GET", "/health", extra="connection: close\r\n"))
         assert raw.startswith(b"HTTP/1.1 200")
+
+
+def test_a_deep_pipeline_pauses_reading_and_still_answers_every_request_in_order(server):
+    # More than MAX_PIPELINED (32) unanswered requests: the server stops reading, then resumes.
+    bodies = [orjson.dumps({"prompt": [7, i + 1], "max_tokens": 1, "temperature": 0}) for i in range(80)]
+    data = b"".join(request("POST", "/v1/completions", body) for body in bodies)
+    data += request("GET", "/health", extra="connection: close\r\n")
+    responses = split_responses(raw_exchange(server.port, data, timeout=60))
+    assert [s for s, _ in responses] == [200] * 80 + [200]
+    assert all(orjson.loads(b)["usage"]["prompt_tokens"] == 2 for _, b in responses[:80])
