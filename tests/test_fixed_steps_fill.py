@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from xllm_async.engine.budget import BatchBudget
 from xllm_async.engine.fixed_steps import FixedStepsBatcher
 from xllm_async.engine.request import EngineRequest
@@ -31,22 +33,26 @@ async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[lis
     return [b for s in slots for b in s.batches]
 
 
-async def test_a_request_starts_at_once_when_no_other_slot_is_busy():
+@pytest.fixture
+async def two_slots():
+    """A running batcher over two slots that never finish on their own."""
     slots = [HeldSlot(0), HeldSlot(1)]
     batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
                                 asyncio.get_running_loop())
     batcher.start()
-    batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill
-    batcher.add([request()])
-    assert [len(b) for b in await started(batcher, slots)] == [1]
+    yield batcher, slots
     await batcher.stop()
 
 
-async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size():
-    slots = [HeldSlot(0), HeldSlot(1)]
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                asyncio.get_running_loop())
-    batcher.start()
+async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
+    batcher, slots = two_slots
+    batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill
+    batcher.add([request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1]
+
+
+async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots):
+    batcher, slots = two_slots
     batcher.add([request()])
     await started(batcher, slots)  # slot 0 is now busy for good
     batcher._last_batch = (3, 10.0)
@@ -54,14 +60,10 @@ async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size():
     assert len(await started(batcher, slots)) == 1  # the lone request waits for company...
     batcher.add([request(), request()])
     assert [len(b) for b in await started(batcher, slots)] == [1, 3]  # ...and leaves with it
-    await batcher.stop()
 
 
-async def test_the_wait_never_exceeds_the_last_prefill():
-    slots = [HeldSlot(0), HeldSlot(1)]
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                asyncio.get_running_loop())
-    batcher.start()
+async def test_the_wait_never_exceeds_the_last_prefill(two_slots):
+    batcher, slots = two_slots
     batcher.add([request()])
     await started(batcher, slots)
     batcher._last_batch = (16, 0.05)
@@ -69,4 +71,3 @@ async def test_the_wait_never_exceeds_the_last_prefill():
     assert len(await started(batcher, slots)) == 1
     await asyncio.sleep(0.08)
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
-    await batcher.stop()
