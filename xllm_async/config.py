@@ -26,6 +26,7 @@ class Settings:
     dtype: str = "auto"
     scheduler: str = "fixed_steps"
     concurrent_execute_stream_num: int = 2
+    torch_threads: int = 0
     max_tokens_per_batch: int = 8192
     max_seqs_per_batch: int = 256
     max_model_len: int | None = None
@@ -126,6 +127,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
                   "fixed_steps (batches run to completion on N slots) or continuous"),
     "concurrent_execute_stream_num": (_int_range(1, 64),
                                       "N execution streams/slots for fixed_steps (1 = a single worker)"),
+    "torch_threads": (_int_range(0, 1024), "CPU only: intra-op threads per slot; 0 = cores // slots"),
     "max_tokens_per_batch": (_int_range(1), "token budget of one batch (padded prompt tokens)"),
     "max_seqs_per_batch": (_int_range(1), "sequence budget of one batch"),
     "max_model_len": (_optional(_int_range(2)), "longest prompt + output in tokens (default: the model's)"),

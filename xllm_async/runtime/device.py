@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 
 import torch
 
@@ -71,25 +70,24 @@ def _accelerator(device: torch.device):
 
 class StreamBinding:
     """What one execution thread holds for its whole life: its device, its own
-    stream on accelerators, or its share of the CPU cores on CPU.
+    stream on accelerators, or its intra-op threads on CPU.
 
     enter() must run on the thread itself: the current stream, the current
     device and the intra-op thread count are all per-thread state.
     """
 
-    __slots__ = ("device", "num_slots", "stream", "_stack")
+    __slots__ = ("device", "cpu_threads", "stream", "_stack")
 
-    def __init__(self, device: torch.device, num_slots: int) -> None:
+    def __init__(self, device: torch.device, cpu_threads: int) -> None:
         self.device = device
-        self.num_slots = num_slots
+        self.cpu_threads = cpu_threads  # intra-op threads of this slot, on CPU
         self.stream = None
         self._stack = contextlib.ExitStack()
 
     def enter(self) -> None:
         accel = _accelerator(self.device)
         if accel is None:
-            # N threads share the cores instead of fighting over all of them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_slots))
+            torch.set_num_threads(self.cpu_threads)
         else:
             accel.set_device(self.device)
             self.stream = accel.Stream(self.device)

@@ -5,6 +5,7 @@ keeps only its own caches and buffers (inside the jobs it runs)."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -20,9 +21,9 @@ class ExecutionSlot:
     """One thread, one stream. Jobs are plain callables; they never touch asyncio
     objects and hand results back through loop.call_soon_threadsafe themselves."""
 
-    def __init__(self, index: int, device: torch.device, num_slots: int) -> None:
+    def __init__(self, index: int, device: torch.device, cpu_threads: int) -> None:
         self.index = index
-        self.binding = StreamBinding(device, num_slots)
+        self.binding = StreamBinding(device, cpu_threads)
         # Written by the scheduler code running on this thread; read when metrics are scraped.
         self.busy_seconds = 0.0
         self.batches_run = 0
@@ -56,8 +57,11 @@ class ExecutionSlot:
             self.binding.exit()
 
 
-def start_slots(device: torch.device, count: int) -> list[ExecutionSlot]:
-    slots = [ExecutionSlot(i, device, count) for i in range(count)]
+def start_slots(device: torch.device, count: int, cpu_threads: int = 0) -> list[ExecutionSlot]:
+    """count slot threads; on CPU each gets cpu_threads intra-op threads (0: cores // count,
+    so that N slots share the cores instead of fighting over all of them)."""
+    threads = cpu_threads or max(1, (os.cpu_count() or 1) // count)
+    slots = [ExecutionSlot(i, device, threads) for i in range(count)]
     for slot in slots:
         slot.start()
     return slots
