@@ -1,5 +1,6 @@
-"""The fixed-steps batcher lets a batch fill while another slot is busy, and
-never makes a request wait when a slot is idle or for longer than a prefill."""
+"""The fixed-steps batcher lets a batch fill while another slot is busy, never
+makes a request wait when a slot is idle or for longer than a prefill, and
+takes a fair share of the requests while the other slots run short batches."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ class HeldSlot:
         self.batches.append(job.args[1])  # functools.partial(_run_to_completion, slot, batch)
 
 
-def request() -> EngineRequest:
-    return EngineRequest(0, [1, 2, 3], SamplingParams(), sink=None)
+def request(max_tokens: int = 1) -> EngineRequest:
+    return EngineRequest(0, [1, 2, 3], SamplingParams(max_tokens=max_tokens), sink=None)
 
 
 async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
@@ -53,7 +54,7 @@ async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
 
 async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots):
     batcher, slots = two_slots
-    batcher.add([request()])
+    batcher.add([request(max_tokens=500)])  # long: no fair-share limit applies against it
     await started(batcher, slots)  # slot 0 is now busy for good
     batcher._last_batch = (3, 10.0)
     batcher.add([request()])
@@ -71,3 +72,21 @@ async def test_the_wait_never_exceeds_the_last_prefill(two_slots):
     assert len(await started(batcher, slots)) == 1
     await asyncio.sleep(0.08)
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
+
+
+async def test_against_short_batches_a_slot_takes_its_fair_share(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request() for _ in range(2)])
+    await started(batcher, slots)  # slot 0 runs 2 one-token requests (short) for good
+    batcher.add([request() for _ in range(6)])
+    # 2 running + 6 waiting over 2 slots: 4 each, so 2 stay for slot 0's turn.
+    assert [len(b) for b in await started(batcher, slots)] == [2, 4]
+    assert len(batcher.waiting) == 2
+
+
+async def test_against_a_long_batch_a_slot_takes_everything(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request(max_tokens=500)])
+    await started(batcher, slots)
+    batcher.add([request() for _ in range(6)])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 6]  # nobody left behind a long one

@@ -50,6 +50,10 @@ class BeamRequest:
     def num_seqs(self) -> int:
         return self.beam_width
 
+    @property
+    def max_steps(self) -> int:
+        return self.rounds
+
     def fail(self, message: str) -> Delta:
         self.finish_reason = "error"
         return Delta(self.index, "", None, None, "error", message)

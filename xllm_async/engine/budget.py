@@ -19,10 +19,11 @@ class BatchBudget:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
 
-    def take(self, waiting: deque, seqs_in_use: int = 0) -> list:
+    def take(self, waiting: deque, seqs_in_use: int = 0, limit: int = 0) -> list:
         """Pop the requests of the next batch off the front of waiting (FIFO).
 
-        A batch holds one kind of request (plain sequences or beam searches):
+        limit (when not 0) caps the number of requests taken. A batch holds
+        one kind of request (plain sequences or beam searches):
         it stops at the first request of another kind. Aborted requests are
         dropped on the way. The first live request is always taken on an
         empty batch, so a prompt larger than the budgets still runs (alone)
@@ -32,7 +33,7 @@ class BatchBudget:
         batch: list = []
         longest = 0
         seqs = seqs_in_use
-        while waiting:
+        while waiting and not (limit and len(batch) >= limit):
             req = waiting[0]
             if req.aborted:
                 waiting.popleft()

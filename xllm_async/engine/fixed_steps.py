@@ -16,16 +16,18 @@ from .budget import BatchBudget
 from .request import EngineRequest
 
 log = logging.getLogger("xllm_async.scheduler")
+SHORT_BATCH_STEPS = 4  # a batch of at most this many tokens per sequence is prefill-bound: short
 
 
 class FixedStepsBatcher:
     """A coroutine on the event loop that forms batches and hands them to free slots.
 
     It sleeps until a request arrives (never polls), waits for a free slot,
-    lets the batch fill while another slot is busy (see _fill), only then
-    takes the batch, hands it over and goes straight back to forming the
-    next. The slot thread runs prefill and every decode round, delivering
-    each step's tokens as they exist, then frees itself.
+    lets the batch fill while another slot is busy (_fill), only then takes
+    the batch (its fair share while others run short batches: _fair_share),
+    hands it over and goes straight back to forming the next. The slot
+    thread runs prefill and every decode round, delivering each step's
+    tokens as they exist, then frees itself.
     """
 
     def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
@@ -38,6 +40,7 @@ class FixedStepsBatcher:
         self._loop = loop
         self._arrived = asyncio.Event()  # a request arrived or a slot came free
         self._last_batch = (0, 0.0)  # (requests, prefill seconds) of the batch that finished last
+        self._running: dict[int, tuple[int, int]] = {}  # slot index -> (requests, steps) of its batch
         self._free: asyncio.Queue = asyncio.Queue()
         self._num_slots = len(slots)
         for slot in slots:
@@ -70,10 +73,11 @@ class FixedStepsBatcher:
                 await self._arrived.wait()
             slot = await self._free.get()
             await self._fill()
-            batch = self.budget.take(self.waiting)
+            batch = self.budget.take(self.waiting, limit=self._fair_share())
             if not batch:  # everything that waited was aborted
                 self._free.put_nowait(slot)
                 continue
+            self._running[slot.index] = (len(batch), max(r.max_steps for r in batch))
             slot.submit(functools.partial(self._run_to_completion, slot, batch))
 
     async def _fill(self) -> None:
@@ -102,7 +106,24 @@ class FixedStepsBatcher:
         finally:
             timer.cancel()
 
+    def _fair_share(self) -> int:
+        """At most this many requests for the new batch (0: no limit).
+
+        A slot that frees up while others run short batches takes its share of
+        the requests in the server, not all that wait: otherwise one big and one
+        small batch alternate for good (a big one leaves few behind, whose
+        clients come back together), and the small ones waste the slot. Only
+        against short batches (prefill-heavy, a few steps), so that what is
+        left waits for one short batch at most, never for a long generation.
+        """
+        running = self._running.values()
+        if not running or any(steps > SHORT_BATCH_STEPS for _, steps in running):
+            return 0
+        in_server = sum(size for size, _ in running) + len(self.waiting)
+        return -(-in_server // self._num_slots)  # ceil
+
     def _release(self, slot, size: int, prefill_seconds: float) -> None:
+        self._running.pop(slot.index, None)
         self._last_batch = (size, prefill_seconds)
         self._free.put_nowait(slot)
         self._arrived.set()

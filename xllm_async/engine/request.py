@@ -56,6 +56,11 @@ class EngineRequest:
         self.arrival = time.monotonic()
         self.started = 0.0  # when its batch began prefill (set on the slot thread)
 
+    @property
+    def max_steps(self) -> int:
+        """Forward steps it may take in its batch (one token each)."""
+        return self.params.max_tokens
+
     def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         """Attach what stepping needs from the model (once, before the first step)."""
         self._detok = IncrementalDetokenizer(tokenizer)
