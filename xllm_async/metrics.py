@@ -140,6 +140,16 @@ class Metrics:
                 if isinstance(value, (Counter, Histogram)):
                     setattr(self, name, off)
 
+    def batch_prefilled(self, seconds: float, prompts: list[list[int]], tokens: int) -> None:
+        self.prefill.observe(seconds)
+        self.batch_size.observe(len(prompts))
+        self.prompt_tokens.inc(sum(len(p) for p in prompts))
+        self.generation_tokens.inc(tokens)
+
+    def batch_decoded(self, seconds: float, tokens: int) -> None:
+        self.decode.observe(seconds)
+        self.generation_tokens.inc(tokens)
+
     def add(self, metric) -> None:
         """Register a scrape-time metric (gauges and per-slot figures owned by other parts)."""
         if self.enabled:

@@ -147,6 +147,8 @@ class OpenAIApp:
 
     async def _generate(self, request: HttpRequest, spec: GenerationSpec, shape_class, prefix: str,
                         responder: Responder) -> None:
+        if self.draining:
+            raise ApiError(503, "Server is shutting down", headers=b"retry-after: 1\r\n")
         num = len(spec.prompts) * spec.n
         stream = OutputStream(num)
         if spec.beam_width is not None:
@@ -159,8 +161,6 @@ class OpenAIApp:
                             spec.top_logprobs is not None)
         record: AccessRecord = responder.record
         record.prompt_tokens = prompt_tokens
-        if self.draining:
-            raise ApiError(503, "Server is shutting down", headers=b"retry-after: 1\r\n")
         try:
             self.engine.submit(requests)
         except EngineFull as exc:

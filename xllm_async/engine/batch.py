@@ -43,10 +43,7 @@ class GenerationBatch:
         logits, self.kv = self.runner.prefill(prompts, keep_cache)
         items = self._advance(logits)
         if self._metrics is not None:
-            self._metrics.prefill.observe(time.monotonic() - started)
-            self._metrics.batch_size.observe(len(prompts))
-            self._metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-            self._metrics.generation_tokens.inc(len(items))
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items))
         return items
 
     def decode(self) -> Items:
@@ -57,8 +54,7 @@ class GenerationBatch:
         started = time.monotonic()
         items = self._advance(self.runner.decode(self.kv, self._next_tokens))
         if self._metrics is not None:
-            self._metrics.decode.observe(time.monotonic() - started)
-            self._metrics.generation_tokens.inc(len(items))
+            self._metrics.batch_decoded(time.monotonic() - started, len(items))
         return items
 
     def merge(self, other: GenerationBatch) -> None:

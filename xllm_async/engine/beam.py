@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .request import Delta
+from .request import Delta, QueuedRequest
 
 
 class BeamResult:
@@ -28,23 +28,15 @@ class BeamResult:
         self.cumulative_logprob = cumulative_logprob
 
 
-class BeamRequest:
+class BeamRequest(QueuedRequest):
     """A prompt searched with beam_width beams for `rounds` tokens."""
 
-    __slots__ = ("index", "prompt_ids", "beam_width", "rounds", "sink", "aborted", "done", "arrival", "started",
-                 "finish_reason")
+    __slots__ = ("beam_width", "rounds")
 
     def __init__(self, index: int, prompt_ids: list[int], beam_width: int, rounds: int, sink) -> None:
-        self.index = index
-        self.prompt_ids = prompt_ids
+        super().__init__(index, prompt_ids, sink)
         self.beam_width = beam_width
         self.rounds = rounds
-        self.sink = sink
-        self.aborted = False
-        self.done = False
-        self.arrival = time.monotonic()
-        self.started = 0.0
-        self.finish_reason: str | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -53,10 +45,6 @@ class BeamRequest:
     @property
     def max_steps(self) -> int:
         return self.rounds
-
-    def fail(self, message: str) -> Delta:
-        self.finish_reason = "error"
-        return Delta(self.index, "", None, None, "error", message)
 
 
 class _Group:
@@ -92,7 +80,8 @@ class BeamSearchBatch:
         for req in self.requests:
             req.started = started
         keep_cache = any(r.rounds > 1 for r in self.requests)
-        logits, self.kv = self.runner.prefill([r.prompt_ids for r in self.requests], keep_cache)
+        prompts = [r.prompt_ids for r in self.requests]
+        logits, self.kv = self.runner.prefill(prompts, keep_cache)
         logprobs = torch.log_softmax(logits, dim=-1)
         rows = []
         for row, req in enumerate(self.requests):
@@ -104,10 +93,7 @@ class BeamSearchBatch:
         if keep_cache:
             self.kv.select(rows)  # copy each prompt's cache to its beams: prefilled once, never per beam
         if self._metrics is not None:
-            self._metrics.prefill.observe(time.monotonic() - started)
-            self._metrics.batch_size.observe(len(self.requests))
-            self._metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in self.requests))
-            self._metrics.generation_tokens.inc(len(rows))
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(rows))
         return self._finish_done()
 
     def decode(self) -> list:
@@ -136,8 +122,7 @@ class BeamSearchBatch:
             start += width
         self.kv.select(parents)  # each new beam continues its parent's cache
         if self._metrics is not None:
-            self._metrics.decode.observe(time.monotonic() - started)
-            self._metrics.generation_tokens.inc(len(last))
+            self._metrics.batch_decoded(time.monotonic() - started, len(last))
         return self._finish_done()
 
     def fail(self, exc: Exception) -> list:

@@ -1,5 +1,5 @@
 """The engine: admits requests and drives the configured scheduler. It knows
-nothing of HTTP; callers hand it EngineRequests and read OutputStreams."""
+nothing of HTTP; callers hand it requests (engine/request.py, engine/beam.py) and read OutputStreams."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..metrics import Gauge, Metrics, PerSlot
 from .budget import BatchBudget
 from .continuous import ContinuousScheduler
 from .fixed_steps import FixedStepsBatcher
-from .request import Delta, EngineRequest
+from .request import Delta, QueuedRequest
 
 log = logging.getLogger("xllm_async.engine")
 
@@ -27,7 +27,7 @@ class Engine:
         self.max_queued_requests = max_queued_requests
         self.queue_timeout = queue_timeout  # 0 = a request may wait as long as it takes
         self.metrics = metrics or Metrics()
-        self.unfinished: set[EngineRequest] = set()  # admitted, not yet finished or aborted
+        self.unfinished: set[QueuedRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
         budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch)
         if scheduler == "continuous":
@@ -48,7 +48,7 @@ class Engine:
                                  "counter", lambda: [s.batches_run for s in slots]))
         self.scheduler.start()
 
-    def submit(self, requests: list[EngineRequest]) -> None:
+    def submit(self, requests: list[QueuedRequest]) -> None:
         """Queue the sequences of one API request; all of them or none."""
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
@@ -57,7 +57,7 @@ class Engine:
         if self.queue_timeout:
             self._loop.call_later(self.queue_timeout, self._expire, requests)
 
-    def abort(self, requests: list[EngineRequest]) -> None:
+    def abort(self, requests: list[QueuedRequest]) -> None:
         """The caller is gone: skip these if waiting, drop them at the next step if running."""
         for req in requests:
             self._end(req, "abort")
@@ -68,14 +68,14 @@ class Engine:
             if self._end(req, reason):
                 req.sink.push(Delta(req.index, "", None, None, reason, message))
 
-    def _expire(self, requests: list[EngineRequest]) -> None:
+    def _expire(self, requests: list[QueuedRequest]) -> None:
         # Only sequences that never started: one that runs is answered in full.
         message = f"Request waited more than {self.queue_timeout} s for a batch"
         for req in requests:
             if not req.started and self._end(req, "timeout"):
                 req.sink.push(Delta(req.index, "", None, None, "timeout", message))
 
-    def _end(self, req: EngineRequest, reason: str) -> bool:
+    def _end(self, req: QueuedRequest, reason: str) -> bool:
         if req.done:
             return False
         req.done = req.aborted = True  # a scheduler skips it, a batch drops it at the next step
@@ -93,7 +93,7 @@ class Engine:
         if items:
             self._loop.call_soon_threadsafe(self._deliver, items)
 
-    def _deliver(self, items: list[tuple[EngineRequest, Delta]]) -> None:
+    def _deliver(self, items: list[tuple[QueuedRequest, Delta]]) -> None:
         for req, delta in items:
             if req.done:  # aborted while this step ran
                 continue

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from .batch import GenerationBatch, fail_all
 from .beam import BeamRequest, BeamSearchBatch
 from .budget import BatchBudget
-from .request import EngineRequest
+from .request import QueuedRequest
 
 log = logging.getLogger("xllm_async.scheduler")
 SHORT_BATCH_STEPS = 4  # a batch of at most this many tokens per sequence is prefill-bound: short
@@ -35,7 +35,7 @@ class FixedStepsBatcher:
         self.runner = runner
         self.budget = budget
         self.metrics = metrics
-        self.waiting: deque[EngineRequest] = deque()
+        self.waiting: deque[QueuedRequest] = deque()
         self._deliver = deliver  # thread-safe: schedules delivery on the loop
         self._loop = loop
         self._arrived = asyncio.Event()  # a request arrived or a slot came free
@@ -58,7 +58,7 @@ class FixedStepsBatcher:
     def start(self) -> None:
         self._task = self._loop.create_task(self._run())
 
-    def add(self, requests: list[EngineRequest]) -> None:
+    def add(self, requests: list[QueuedRequest]) -> None:
         self.waiting.extend(requests)
         self._arrived.set()
 
@@ -128,7 +128,7 @@ class FixedStepsBatcher:
         self._free.put_nowait(slot)
         self._arrived.set()
 
-    def _run_to_completion(self, slot, requests: list[EngineRequest]) -> None:
+    def _run_to_completion(self, slot, requests: list[QueuedRequest]) -> None:
         """On the slot's thread: prefill, then decode rounds until every sequence is done."""
         batch = None
         started = time.perf_counter()

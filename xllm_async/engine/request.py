@@ -24,23 +24,41 @@ class Delta:
         self.beams = beams  # a beam search's final sequences, best first (engine/beam.py)
 
 
-class EngineRequest:
-    """A prompt, its sampling parameters and its generation state.
+class QueuedRequest:
+    """What schedulers, budgets and the engine know of any request: its prompt,
+    where its deltas go, and its place in the queue.
 
     Created on the event loop; stepped only by the one execution thread that
-    holds its batch; `aborted` is the one field the loop may write afterwards.
+    holds its batch; `aborted` and `done` are the fields the loop writes afterwards.
     """
 
-    __slots__ = ("index", "prompt_ids", "params", "sink", "generator", "output_ids", "text", "_sent",
-                 "_detok", "_hold", "_eos", "_max_len", "finish_reason", "aborted", "done", "arrival", "started")
+    __slots__ = ("index", "prompt_ids", "sink", "finish_reason", "aborted", "done", "arrival", "started")
 
     num_seqs = 1  # rows it holds in a batch
 
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
+    def __init__(self, index: int, prompt_ids: list[int], sink) -> None:
         self.index = index  # the choice index inside its response
         self.prompt_ids = prompt_ids
-        self.params = params
         self.sink = sink  # receives Deltas on the event loop
+        self.finish_reason: str | None = None
+        self.aborted = False  # set on the loop: the caller is gone
+        self.done = False  # set on the loop: its last delta was delivered, or it was aborted
+        self.arrival = time.monotonic()
+        self.started = 0.0  # when its batch began prefill (set on the slot thread)
+
+    def fail(self, message: str) -> Delta:
+        self.finish_reason = "error"
+        return Delta(self.index, "", None, None, "error", message)
+
+
+class EngineRequest(QueuedRequest):
+    """A prompt, its sampling parameters and its generation state."""
+
+    __slots__ = ("params", "generator", "output_ids", "text", "_sent", "_detok", "_hold", "_eos", "_max_len")
+
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
+        super().__init__(index, prompt_ids, sink)
+        self.params = params
         self.generator = None
         self.output_ids: list[int] = []
         self.text = ""
@@ -50,11 +68,6 @@ class EngineRequest:
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._eos: frozenset[int] = frozenset()
         self._max_len = 0
-        self.finish_reason: str | None = None
-        self.aborted = False  # set on the loop: the caller is gone
-        self.done = False  # set on the loop: its last delta was delivered, or it was aborted
-        self.arrival = time.monotonic()
-        self.started = 0.0  # when its batch began prefill (set on the slot thread)
 
     @property
     def max_steps(self) -> int:
@@ -92,10 +105,6 @@ class EngineRequest:
             text = self.text[self._sent:end]
             self._sent = end
         return Delta(self.index, text, token, logprobs, self.finish_reason)
-
-    def fail(self, message: str) -> Delta:
-        self.finish_reason = "error"
-        return Delta(self.index, "", None, None, "error", message)
 
     def _cut_at_stop_string(self) -> bool:
         # A new stop string can only start in the text not yet handed out.
