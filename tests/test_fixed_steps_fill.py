@@ -90,3 +90,19 @@ async def test_against_a_long_batch_a_slot_takes_everything(two_slots):
     await started(batcher, slots)
     batcher.add([request() for _ in range(6)])
     assert [len(b) for b in await started(batcher, slots)] == [1, 6]  # nobody left behind a long one
+
+
+async def test_on_an_idle_server_add_starts_the_batch_before_returning(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request()])
+    assert [len(s.batches) for s in slots] == [1, 0]  # no loop iteration in between
+
+
+async def test_the_most_recently_freed_slot_is_taken_first(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request()])
+    batcher.add([request()])  # both slots busy now
+    batcher._release(slots[1], 1, 0.001)
+    batcher._release(slots[0], 1, 0.001)
+    batcher.add([request()])
+    assert [len(s.batches) for s in slots] == [2, 1]  # slot 0 came free last: its thread is warm
