@@ -21,14 +21,13 @@ concurrency 1 behind a server with N slots), --latency-runs times; the median is
 under the served median E2E latency at concurrency 1.
 
 Prompts are bench_serving's random ordinary tokens with the same seed as perf/sweep.py,
-every request asks exactly --output-len tokens (greedy, EOS ignored). Without --model, the
-tiny random Qwen3 that perf/sweep.py builds is used (built once, nothing is downloaded).
+every request asks exactly --output-len tokens (greedy, EOS ignored). Without --model, the perf
+scripts' tiny random Qwen3 is used (perf/servers.py builds it once, nothing is downloaded).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import threading
@@ -36,7 +35,10 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import bench_serving as bench
 import numpy as np
+import servers
+import sweep
 
 import xllm_async  # noqa: F401  (sets the torch_npu autoload switch before torch is imported)
 from xllm_async.engine.batch import GenerationBatch
@@ -45,24 +47,6 @@ from xllm_async.engine.sampling import SamplingParams
 from xllm_async.runtime.device import resolve_device
 from xllm_async.runtime.executor import ExecutionSlot, start_slots
 from xllm_async.runtime.model_runner import ModelRunner
-
-PERF_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _load_sweep():
-    # perf/ is a folder of scripts, not a package: sweep.py (which loads bench_serving.py) as a module.
-    if "sweep" in sys.modules:
-        return sys.modules["sweep"]
-    spec = importlib.util.spec_from_file_location("sweep", os.path.join(PERF_DIR, "sweep.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep = _load_sweep()
-bench = sweep.bench
-
 
 # --- one measurement -------------------------------------------------------------------------
 
@@ -282,7 +266,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=sweep.DEFAULT_MODEL, help="model folder (default: the sweep's tiny Qwen3)")
+    parser.add_argument("--model", default=servers.DEFAULT_MODEL, help="model folder (default: the sweep's tiny Qwen3)")
     parser.add_argument("--devices", default="auto", help="as server.py: auto, cpu, cuda:N or npu:N")
     parser.add_argument("--dtype", default="auto", help="as server.py: auto, float32, bfloat16, float16")
     parser.add_argument("--input-len", type=int, default=sweep.DEFAULT_INPUT, help="prompt tokens")
@@ -311,8 +295,8 @@ def positive_list(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.model = sweep.ensure_model(args.model)
-    except sweep.SweepError as exc:
+        args.model = servers.ensure_model(args.model)
+    except servers.ServerError as exc:
         print(f"offline: {exc}", file=sys.stderr)
         return 1
     records = run(args)

@@ -34,7 +34,7 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import servers
 
 # (stage, fragments of a frame that place a sample in it), checked innermost frame first.
 STAGES = [
@@ -102,18 +102,30 @@ def main(argv: list[str] | None = None) -> int:
     py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(py_spy):
         raise SystemExit("needs py-spy: pip install py-spy (make profile does it)")
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
-    from soak import default_model, start_server  # one way to build the model and start a server
+    raw = os.path.join(tempfile.mkdtemp(), "profile.txt")
+    try:
+        model = servers.ensure_model(args.model)
+        command = servers.server_command(model, args.server_args.split())
+        with servers.running_server(command, servers.server_log("profile", "server")) as server:
+            figures = profile_under_load(server, py_spy, raw, args)
+    except servers.ServerError as exc:
+        print(f"profile_server: {exc}", file=sys.stderr)
+        return 1
+    report(fold(raw), *figures, args)
+    return 0
 
-    model = args.model or default_model()
-    server, port = start_server(model, args.server_args.split())
+
+def profile_under_load(server: servers.RunningServer, py_spy: str, raw: str,
+                       args: argparse.Namespace) -> tuple[float, float, float, float, float]:
+    """Drive the server with bench_serving in a subprocess and record it with py-spy into raw;
+    returns (requests done, wall seconds, queue seconds, server CPU s, client CPU s) while recorded."""
+    port = server.port
     prompts = max(200, int(args.seconds * 1000))  # more than the load can finish while profiled
     client = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "perf", "bench_serving.py"), "--base-url", f"http://127.0.0.1:{port}",
+        [sys.executable, os.path.join(servers.PERF_DIR, "bench_serving.py"), "--base-url", server.base_url,
          "--random-input", str(args.random_input), "--random-output", str(args.random_output),
          "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency), "--disable-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    raw = os.path.join(tempfile.mkdtemp(), "profile.txt")
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=servers.ROOT)
     try:
         time.sleep(2.0)  # past the client's warm-up and tokenizer load
         done_before = metric(port, "xllm:e2e_request_latency_seconds_count")
@@ -126,14 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - started
         done = metric(port, "xllm:e2e_request_latency_seconds_count") - done_before
         queue = metric(port, "xllm:request_queue_time_seconds_sum") - queue_before
-        cpu_server = cpu_seconds(server.pid) - cpu_before[0]
-        cpu_client = cpu_seconds(client.pid) - cpu_before[1]
+        return (done, wall, queue, cpu_seconds(server.pid) - cpu_before[0], cpu_seconds(client.pid) - cpu_before[1])
     finally:
         client.kill()
-        server.terminate()
-        server.wait(60)
-    report(fold(raw), done, wall, queue, cpu_server, cpu_client, args)
-    return 0
+        client.wait()
 
 
 def report(table: dict, done: float, wall: float, queue: float, cpu_server: float, cpu_client: float,

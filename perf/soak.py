@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import servers
+
 CONFIGS = {
     "fixed_steps-N2": ["--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "2"],
     "continuous-N1": ["--scheduler", "continuous", "--concurrent-execute-stream-num", "1"],
@@ -205,34 +204,11 @@ def verdict(result: dict, rss_growth: float) -> list[str]:
     return problems
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--port", str(port),
-                             "--access-log", "off", "--max-connections", "4096", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc, port
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not start")
-
-
-def default_model() -> str:
-    path = os.path.join(ROOT, "perf", "results", "models", "qwen3-tiny")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        sys.path.insert(0, ROOT)
-        from xllm_async.random_model import build_qwen3
-
-        build_qwen3(path, "tiny")
-    return path
+def soak_new_server(name: str, extra: list[str], args: argparse.Namespace) -> dict:
+    """The soak against a server started for it, stopped afterwards; its log in perf/results/soak/."""
+    command = servers.server_command(servers.ensure_model(args.model), ["--max-connections", "4096", *extra])
+    with servers.running_server(command, servers.server_log("soak", name), name) as server:
+        return asyncio.run(soak(server.port, args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,17 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     targets = [("running", None)] if args.base_url_port else [(c, CONFIGS[c]) for c in args.config or CONFIGS]
     failed = False
     for name, extra in targets:
-        proc = None
         if extra is None:
-            port = args.base_url_port
+            result = asyncio.run(soak(args.base_url_port, args))
         else:
-            proc, port = start_server(args.model or default_model(), extra)
-        try:
-            result = asyncio.run(soak(port, args))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
+            try:
+                result = soak_new_server(name, extra, args)
+            except servers.ServerError as exc:
+                print(f"soak: {exc}", file=sys.stderr)
+                return 1
         problems = verdict(result, args.rss_growth)
         failed |= bool(problems)
         result.update(config=name, requests=args.requests, concurrency=args.concurrency,

@@ -6,8 +6,8 @@ at every concurrency against it, and writes a CSV, two PNG plots and a summary t
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2"
 
 A configuration is NAME=ARGS: ARGS are server.py flags, added after
-`server.py --model MODEL --port P --access-log off`. The first configuration is the baseline
-that the others' throughput is divided by.
+`server.py --model MODEL --access-log off` (the port is chosen here). The first configuration
+is the baseline that the others' throughput is divided by.
 
 Rounds interleave the configurations (round 1: A then B, round 2: A then B, ...), each
 started fresh, so that slow drift on a shared machine falls on all of them alike; the plots
@@ -27,24 +27,17 @@ from __future__ import annotations
 
 import argparse
 import csv
-import http.client
-import importlib.util
 import math
 import os
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 
-PERF_DIR = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(PERF_DIR)
-DEFAULT_MODEL = os.path.join(PERF_DIR, "results", "models", "qwen3-tiny")
+import bench_serving as bench
+import servers
+
 DEFAULT_CONFIGS = (
     "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1",
     "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2",
@@ -52,8 +45,6 @@ DEFAULT_CONFIGS = (
 # Prefill-heavy, as the traffic the server is built for; shared with offline.py.
 DEFAULT_INPUT = 256
 DEFAULT_OUTPUT = 16
-START_TIMEOUT = 300.0  # seconds for a server to load the model and answer /health
-STOP_TIMEOUT = 15.0  # seconds between SIGTERM and SIGKILL
 
 # CSV columns, and the bench_serving metric each one is read from.
 METRIC_COLUMNS = {
@@ -71,21 +62,7 @@ CSV_COLUMNS = ["config", "concurrency", "round", *METRIC_COLUMNS, "completed", "
 
 
 class SweepError(Exception):
-    """The sweep cannot go on (bad arguments, a server that does not start or dies): one line for the user."""
-
-
-def load_perf_script(name: str):
-    """perf/<name>.py as a module: perf/ is a folder of scripts, not a package."""
-    if name in sys.modules:  # already loaded (a test, or offline.py loading us)
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(PERF_DIR, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_perf_script("bench_serving")
+    """The sweep cannot go on (bad arguments, a failed warm-up): one line for the user."""
 
 
 # --- arguments -------------------------------------------------------------------------------
@@ -128,78 +105,6 @@ def parse_concurrencies(text: str) -> list[int]:
 def prompts_for(concurrency: int, num_prompts: int | None) -> int:
     """Enough prompts that every connection sends several: max(100, 4 * concurrency) unless fixed."""
     return num_prompts or max(100, 4 * concurrency)
-
-
-# --- the model and the servers ---------------------------------------------------------------
-
-
-def ensure_model(path: str) -> str:
-    """The model folder; the default tiny random Qwen3 is built the first time it is needed."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    if os.path.abspath(path) != DEFAULT_MODEL:
-        raise SweepError(f"--model {path}: no config.json there")
-    print(f"building the tiny random Qwen3 at {path} (once)", flush=True)
-    subprocess.run([sys.executable, "-m", "xllm_async.random_model", path, "--size", "tiny"], cwd=ROOT,
-                   check=True, stdout=subprocess.DEVNULL)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health_ok(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
-def log_tail(path: str, lines: int = 20) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-@contextmanager
-def running_server(model: str, args: list[str], log_path: str) -> Iterator[str]:
-    """server.py in a subprocess on a free port; yields its base URL once /health answers 200,
-    and stops it (SIGTERM, then SIGKILL) however the block ends. Only this process is signalled."""
-    port = free_port()
-    command = [sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--port", str(port),
-               "--access-log", "off", *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not health_ok(port):
-            if proc.poll() is not None:
-                raise SweepError(f"server exited with {proc.returncode} ({shlex.join(args)}):\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                raise SweepError(f"server not healthy after {START_TIMEOUT:.0f} s:\n{log_tail(log_path)}")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-        if proc.poll() is not None:
-            raise SweepError(f"server died during the sweep (exit {proc.returncode}):\n{log_tail(log_path)}")
-    finally:
-        stop_process(proc)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:  # still draining in-flight requests after an interrupt
-        proc.kill()
-        proc.wait()
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -267,8 +172,8 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
 
             args.current_config = name  # the label of the full tables
             log_path = os.path.join(args.out_dir, f"server-{safe_name(name)}-round{round_index}.log")
-            with running_server(args.model, server_args, log_path) as base_url:
-                bench.run(sweep_server(base_url, prompts, tokenizer, args, record))
+            with servers.running_server(servers.server_command(args.model, server_args), log_path, name) as server:
+                bench.run(sweep_server(server.base_url, prompts, tokenizer, args, record))
     return rows
 
 
@@ -398,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=parse_concurrencies, default=[1, 2, 4, 8, 16, 32, 64],
                         help="comma-separated concurrencies (default: 1,2,4,8,16,32,64)")
     parser.add_argument("--rounds", type=int, default=1, help="sweeps of every configuration, interleaved")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
+    parser.add_argument("--model", default=servers.DEFAULT_MODEL,
                         help="model folder (default: a tiny random Qwen3, built once)")
     parser.add_argument("--random-input", type=int, default=DEFAULT_INPUT, help="prompt tokens")
     parser.add_argument("--random-output", type=int, default=DEFAULT_OUTPUT, help="output tokens")
@@ -416,29 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.rounds < 1 or (args.num_prompts is not None and args.num_prompts < 1) or args.warmup_prompts < 1:
         raise SweepError("--rounds, --num-prompts and --warmup-prompts must be at least 1")
-    args.out_dir = args.out_dir or os.path.join(PERF_DIR, "results", f"sweep-{datetime.now():%Y%m%d-%H%M%S}")
+    args.out_dir = args.out_dir or os.path.join(servers.PERF_DIR, "results", f"sweep-{datetime.now():%Y%m%d-%H%M%S}")
     os.makedirs(args.out_dir, exist_ok=True)
-    args.model = ensure_model(args.model)
+    args.model = servers.ensure_model(args.model)
     return parse_configs(args.config or list(DEFAULT_CONFIGS))
-
-
-def interrupt_on_sigterm() -> None:
-    # SIGTERM would end Python without running finally blocks; as an interrupt it stops the servers like Ctrl-C.
-    def interrupt(*_) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    interrupt_on_sigterm()
+    servers.interrupt_on_sigterm()
     bench.raise_open_file_limit()
     try:
         configs = check_args(args)
         csv_log = CsvLog(os.path.join(args.out_dir, "sweep.csv"))
         rows = run_sweep(args, configs, csv_log)
-    except (SweepError, bench.BenchmarkError) as exc:
+    except (SweepError, servers.ServerError, bench.BenchmarkError) as exc:
         print(f"sweep: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,32 +1,32 @@
-"""perf/sweep.py's pure pieces (arguments, CSV rows, medians, ratios, plots) and perf/offline.py's
-measurement on the tiny model: exact counts of the batches, requests and tokens it ran."""
+"""perf/sweep.py's pure pieces (arguments, CSV rows, medians, ratios, plots), perf/servers.py's
+server subprocesses (stand-ins, no model), and perf/offline.py's measurement on the tiny model:
+exact counts of the batches, requests and tokens it ran."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 import math
 import os
 import sys
+import time
 
 import pytest
 
 from .conftest import ROOT
 
 
-def _load_perf_script(name: str):
-    # perf/ is a folder of scripts, not a package: load the file as a module of its own.
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "perf", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _import_perf_script(name: str):
+    # perf/ is a folder of scripts, not a package: they import each other by name, from perf/ on sys.path.
+    perf = os.path.join(ROOT, "perf")
+    if perf not in sys.path:
+        sys.path.insert(0, perf)
+    return importlib.import_module(name)
 
 
-sweep = _load_perf_script("sweep")
-offline = _load_perf_script("offline")
+sweep = _import_perf_script("sweep")
+servers = _import_perf_script("servers")
+offline = _import_perf_script("offline")
 
 
 # --- sweep: arguments ---
@@ -64,11 +64,6 @@ def test_prompts_per_point_default_to_four_per_connection_and_at_least_100():
     assert sweep.prompts_for(1, None) == 100
     assert sweep.prompts_for(64, None) == 256
     assert sweep.prompts_for(64, 50) == 50
-
-
-def test_a_missing_model_folder_other_than_the_default_is_an_error(tmp_path):
-    with pytest.raises(sweep.SweepError):
-        sweep.ensure_model(str(tmp_path / "nowhere"))
 
 
 # --- sweep: rows, medians, ratios, report ---
@@ -132,6 +127,70 @@ def test_plots_are_written_as_non_empty_pngs(tmp_path):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         assert os.path.getsize(path) > 1000
+
+
+# --- servers ---
+
+# A stand-in for a server: answers /health on the port given last. With "worker" it first starts a
+# child that ignores SIGTERM and logs its pid, as a LitServe worker outlives a SIGTERM to its leader.
+STAND_IN = """
+import http.server, subprocess, sys
+if sys.argv[1] == "worker":
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    print("worker", subprocess.Popen([sys.executable, "-c", ignore]).pid, flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[-1])), Health).serve_forever()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (an orphan is reaped by whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_soon(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
+
+
+def test_a_missing_model_folder_other_than_the_default_is_an_error(tmp_path):
+    with pytest.raises(servers.ServerError):
+        servers.ensure_model(str(tmp_path / "nowhere"))
+
+
+def test_a_server_answers_health_inside_the_block_and_is_stopped_after_it(tmp_path):
+    with servers.running_server([sys.executable, "-c", STAND_IN, "plain"], str(tmp_path / "s.log")) as server:
+        assert servers.health_ok(server.port)
+        assert server.base_url == f"http://127.0.0.1:{server.port}"
+    assert _gone_soon(server.pid)
+
+
+def test_a_server_that_exits_before_it_is_healthy_is_an_error_with_the_end_of_its_log(tmp_path):
+    command = [sys.executable, "-c", "import sys; print('no config.json in /models/x'); sys.exit(3)"]
+    log = str(tmp_path / "s.log")
+    with pytest.raises(servers.ServerError) as caught, servers.running_server(command, log, "broken"):
+        pytest.fail("the block must not run")
+    assert "broken exited with 3 before answering /health" in str(caught.value)
+    assert "no config.json in /models/x" in str(caught.value)
+
+
+def test_a_server_in_its_own_process_group_is_stopped_with_its_workers(tmp_path):
+    log = tmp_path / "s.log"
+    with servers.running_server([sys.executable, "-c", STAND_IN, "worker"], str(log), own_group=True) as server:
+        worker = int(log.read_text().split("worker ")[1].split()[0])
+        assert _running(worker) and os.getpgid(worker) == server.pid
+    assert _gone_soon(server.pid) and _gone_soon(worker)
 
 
 # --- offline ---

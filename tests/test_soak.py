@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
+import sys
 
 from .conftest import ROOT
 
 
 def test_short_soak_finds_every_answer_correct_and_nothing_leaked(server, capsys):
-    spec = importlib.util.spec_from_file_location("soak", os.path.join(ROOT, "perf", "soak.py"))
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    # perf/ is a folder of scripts, not a package: they import each other by name, from perf/ on sys.path.
+    perf = os.path.join(ROOT, "perf")
+    if perf not in sys.path:
+        sys.path.insert(0, perf)
+    soak = importlib.import_module("soak")
     code = soak.main(["--base-url-port", str(server.port), "--requests", "80", "--concurrency", "8",
                       "--distinct", "6", "--max-prompt", "200", "--disconnect-share", "0.3", "--rss-growth", "0.5"])
     out = capsys.readouterr().out

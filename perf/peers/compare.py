@@ -28,43 +28,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import importlib.util
 import math
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 
 PEERS_DIR = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(PEERS_DIR))
-RESULTS = os.path.join(ROOT, "perf", "results")
+PERF_DIR = os.path.dirname(PEERS_DIR)
+ROOT = os.path.dirname(PERF_DIR)
+# perf/ is a folder of scripts, not a package: they import each other by name, from perf/ on sys.path.
+sys.path.insert(0, PERF_DIR)
+
+import bench_serving as bench  # noqa: E402
+import servers  # noqa: E402
+
+RESULTS = os.path.join(PERF_DIR, "results")
 OUR_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 PEERS_VENV = os.path.join(PEERS_DIR, ".venv")
 PEERS_PYTHON = os.path.join(PEERS_VENV, "bin", "python")
 TORCH_PIN = "torch==2.13.0"  # the on-disk CPU wheel, as the Makefile installs it
-DEFAULT_MODEL = os.path.join(RESULTS, "models", "qwen3-tiny")
 OURS = "xllm_async"
-START_TIMEOUT = 300.0  # seconds for a server to load the model and answer /health
-STOP_TIMEOUT = 20.0  # seconds between SIGTERM and SIGKILL
 CHECK_TOKENS = 4
-
-
-def load_bench():
-    """perf/bench_serving.py as a module (perf/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_serving", os.path.join(ROOT, "perf", "bench_serving.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
 
 
 # --- set-up ----------------------------------------------------------------------------------
@@ -96,27 +83,19 @@ def ensure_peers_venv() -> None:
         f.write(digest.hexdigest())
 
 
-def ensure_model(path: str, default: bool) -> str:
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        if not default:
-            raise SystemExit(f"compare: no model folder at {path}")
-        run_step([OUR_PYTHON, "-m", "xllm_async.random_model", path, "--size", "tiny"])
-    return os.path.abspath(path)
-
-
 # --- servers ---------------------------------------------------------------------------------
 
 
 @dataclass
 class Server:
-    """How to start one server on a given port."""
+    """How to start one server (running_server adds the port)."""
 
     name: str
     python: str
     args: list[str]
 
-    def command(self, model: str, port: int) -> list[str]:
-        return [self.python, *self.args, "--model", model, "--port", str(port)]
+    def command(self, model: str) -> list[str]:
+        return [self.python, *self.args, "--model", model]
 
 
 def servers_for(args: argparse.Namespace) -> list[Server]:
@@ -134,71 +113,6 @@ def servers_for(args: argparse.Namespace) -> list[Server]:
     if unknown or OURS not in names:
         raise SystemExit(f"compare: --servers must include {OURS} and name only {', '.join(every)}")
     return [every[OURS]] + [every[name] for name in names if name != OURS]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-async def healthy(port: int) -> bool:
-    conn = bench.HttpConnection("127.0.0.1", port)
-    try:
-        response = await conn.request("GET", "/health")
-        await response.read()
-        return response.status == 200
-    except (OSError, bench.HttpError):
-        return False
-    finally:
-        conn.close()
-
-
-def log_tail(path: str, lines: int = 15) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-def leader_exited(pid: int) -> bool:
-    """Whether the process has exited, without reaping it: until it is reaped its id, and so its
-    process group's, cannot be given to anyone else."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL to what is left of the server's own process group (LitServe's workers)."""
-    if not leader_exited(proc.pid):
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT
-        while not leader_exited(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session): only what we started
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@contextmanager
-def running(server: Server, model: str, log_path: str):
-    """The server, started fresh on a free port, until the block ends; yields its base URL and
-    process group."""
-    port = free_port()
-    with open(log_path, "ab") as log:
-        log.write(f"\n=== {datetime.now().isoformat(timespec='seconds')} {server.name} :{port}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(server.command(model, port), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not asyncio.run(healthy(port)):
-            if leader_exited(proc.pid) or time.monotonic() > deadline:
-                raise SystemExit(f"compare: {server.name} did not come up; the end of {log_path}:\n"
-                                 + log_tail(log_path))
-            time.sleep(0.25)
-        yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        stop_process(proc)
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -287,26 +201,26 @@ def run_line(concurrency: int, metrics: dict) -> str:
             f"cpu (% of a core): " + ", ".join(f"{key} {value:.0f}" for key, value in cpu.items()))
 
 
-def run_all(args: argparse.Namespace, servers: list[Server], model: str) -> list[dict]:
+def run_all(args: argparse.Namespace, lineup: list[Server], model: str) -> list[dict]:
     tokenizer = bench.load_tokenizer(model)
     name = os.path.basename(model)
     prompts = bench.make_random_prompts(tokenizer, args.num_prompts, args.random_input, args.random_output,
                                         1.0, args.seed, args.prompt_format)
-    logs = os.path.join(RESULTS, "peers")
-    os.makedirs(logs, exist_ok=True)
     rows: list[dict] = []
     ours: tuple[str, str] = ("", "")
     same: dict[str, bool] = {}
     for round_index in range(args.rounds):
-        turn = round_index % len(servers)
-        for server in servers[turn:] + servers[:turn]:
+        turn = round_index % len(lineup)
+        for server in lineup[turn:] + lineup[:turn]:
             print(f"round {round_index + 1}/{args.rounds}: {server.name}", flush=True)
-            with running(server, model, os.path.join(logs, f"{server.name}.log")) as (base_url, pgid):
+            log_path = servers.server_log("peers", server.name)
+            # In a process group of its own: LitServe's workers are stopped with it.
+            with servers.running_server(server.command(model), log_path, server.name, own_group=True) as up:
                 if round_index == 0:  # ours comes first in the first round
-                    got = asyncio.run(greedy_texts(base_url, prompts[0], name))
+                    got = asyncio.run(greedy_texts(up.base_url, prompts[0], name))
                     ours = got if server.name == OURS else ours
                     same[server.name] = same_text(server.name, got, ours)
-                results = bench.run(measure(base_url, pgid, server.name, prompts, tokenizer, name, args))
+                results = bench.run(measure(up.base_url, up.pid, server.name, prompts, tokenizer, name, args))
             for concurrency, metrics in results.items():
                 row = {**metrics, "suite": "peers", "server": server.name, "round": round_index + 1,
                        "concurrency": concurrency, "model_dir": model, "random_input": args.random_input,
@@ -335,7 +249,7 @@ def summarize(rows: list[dict]) -> dict[tuple[str, int], dict[str, float]]:
             for key, runs in grouped.items()}
 
 
-def format_table(summary: dict[tuple[str, int], dict[str, float]], servers: list[str],
+def format_table(summary: dict[tuple[str, int], dict[str, float]], names: list[str],
                  concurrencies: list[int]) -> str:
     """One row per concurrency and server; the peers' rows end with ours/peer for each figure."""
     head = (f"{'conc':>4}  {'server':<10} {'req/s':>8} {'mean E2E ms':>12} {'median E2E ms':>14} {'failed':>6} "
@@ -343,7 +257,7 @@ def format_table(summary: dict[tuple[str, int], dict[str, float]], servers: list
     lines = [head, "-" * len(head)]
     for c in concurrencies:
         ours = summary[(OURS, c)]
-        for name in servers:
+        for name in names:
             s = summary[(name, c)]
             line = (f"{c:>4}  {name:<10} {s['request_throughput']:>8.1f} {s['mean_e2e_latency_ms']:>12.1f} "
                     f"{s['median_e2e_latency_ms']:>14.1f} {s['failed']:>6} {s['others']:>11.0f}  |")
@@ -391,29 +305,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def interrupt(signum, frame) -> None:
-    """SIGTERM unwinds like Ctrl-C, so that every running server's `finally` stops it."""
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.rounds < 1 or args.num_prompts < 1:
         raise SystemExit("compare: --rounds and --num-prompts must be at least 1")
-    signal.signal(signal.SIGTERM, interrupt)
+    servers.interrupt_on_sigterm()
     bench.raise_open_file_limit()
     if not args.skip_install:
         ensure_peers_venv()
-    model = ensure_model(args.model or DEFAULT_MODEL, default=args.model is None)
-    servers = servers_for(args)
+    lineup = servers_for(args)
     try:
-        rows = run_all(args, servers, model)
+        model = servers.ensure_model(args.model)
+        rows = run_all(args, lineup, model)
+    except servers.ServerError as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # the running server was stopped on the way out
         print("compare: interrupted", file=sys.stderr)
         return 130
     print(f"\nmodel {model}: {args.random_input} tokens in ({args.prompt_format}), {args.random_output} out, "
           f"{args.num_prompts} prompts, {'streamed' if args.stream else 'whole'}, median of {args.rounds} round(s)")
-    print(format_table(summarize(rows), [s.name for s in servers], args.concurrency))
+    print(format_table(summarize(rows), [s.name for s in lineup], args.concurrency))
     print(f"runs appended to {args.output_file}")
     return 0
 
