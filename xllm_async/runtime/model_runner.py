@@ -15,6 +15,8 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from .host_memory import pack_weights
+
 log = logging.getLogger("xllm_async.model")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +78,8 @@ class ModelRunner:
         )
         log.info("moving weights to %s", device)
         self.model = model.to(device).eval()
+        # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
+        self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
         self.device = device
         self.dtype = self.model.dtype
         self.config = config
