@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test model lint clean bench seed sweep offline soak peers profile
+.PHONY: install serve test model lint clean bench seed sweep offline ceiling soak peers profile
 
 install: $(STAMP) model
 
@@ -48,6 +48,11 @@ sweep: install
 
 offline: install
 	$(PY) perf/offline.py $(OFFLINE_ARGS)
+
+# Served against the engine without HTTP, side by side, fresh processes each round: served/ceiling
+# at concurrency 32 and 64, and the median latency at concurrency 1 over the offline single request.
+ceiling: install
+	$(PY) perf/ceiling.py $(CEILING_ARGS)
 
 soak: install
 	$(PY) perf/soak.py $(SOAK_ARGS)

@@ -247,3 +247,36 @@ def test_offline_table_lists_throughput_points_then_latencies(runner, pool, one_
     point = offline.measure_throughput(runner, one_slot, pool, 2, 2, offline.BatchQuota(batches=1)).record("throughput")
     lines = offline.format_table([latency, point]).splitlines()
     assert len(lines) == 3 and lines[1].split()[:3] == ["1", "2", "1"] and "single request" in lines[2]
+
+
+# --- ceiling: ratios and verdicts from recorded figures ---
+
+ceiling = _import_perf_script("ceiling")
+
+
+def served_point(req_s: float, median_ms: float) -> dict:
+    return {"request_throughput": req_s, "median_e2e_latency_ms": median_ms}
+
+
+def test_ceiling_round_divides_latency_by_the_single_request_and_throughput_by_the_ceiling():
+    offline = {"ceiling_req_s": 600.0, "ceiling_batch": 16, "single_ms": 5.0}
+    row = ceiling.round_row(2, offline, {1: served_point(170.0, 5.5), 32: served_point(510.0, 60.0)})
+    assert row["round"] == 2 and row["ceiling_batch"] == 16
+    assert row["served"][1]["latency_ratio"] == pytest.approx(1.1)
+    assert row["served"][32]["throughput_ratio"] == pytest.approx(0.85)
+    assert "throughput_ratio" not in row["served"][1] and "latency_ratio" not in row["served"][32]
+
+
+def test_ceiling_summary_takes_medians_over_rounds_and_judges_each_target():
+    offline = {"ceiling_req_s": 100.0, "ceiling_batch": 8, "single_ms": 10.0}
+    rounds = [ceiling.round_row(i, offline, {1: served_point(90.0, ms), 8: served_point(r, 1.0),
+                                             32: served_point(r, 1.0)})
+              for i, (ms, r) in enumerate([(10.5, 80.0), (12.0, 90.0), (11.5, 84.0)], 1)]
+    lines = ceiling.summarize(rounds)
+    assert "  c=1: served median E2E / offline single request = 1.150 (target <= 1.10: not met)" in lines
+    assert "  c=8: served / ceiling = 0.840" in lines  # below 32: no target
+    assert "  c=32: served / ceiling = 0.840 (target >= 0.85: not met)" in lines
+    faster = [ceiling.round_row(1, offline, {1: served_point(90.0, 10.9), 32: served_point(86.0, 1.0)})]
+    assert ceiling.summarize(faster)[1:] == [
+        "  c=1: served median E2E / offline single request = 1.090 (target <= 1.10: met)",
+        "  c=32: served / ceiling = 0.860 (target >= 0.85: met)"]
