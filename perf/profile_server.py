@@ -16,8 +16,16 @@ perf/bench_serving.py in a subprocess, records the server with py-spy (all threa
   detokenise token ids -> text (engine/detokenizer, tokenizer.decode)
   respond    response JSON and SSE framing (api/responses, api/app)
   write      transport writes (http/response, protocol.write)
-  loop       the event loop itself: uvloop, socket reads, callbacks
-  (py-spy leaves out samples of threads that are waiting: only busy time is folded)
+
+CPU time comes from /proc, per thread, over the profiled window only (which opens once the
+client's requests are flowing, so that building its dataset is not counted): the event loop
+thread (the main thread) and the slot threads. py-spy cannot tell a thread that waits from
+one that works in C code without a Python frame, so samples are used only to split each
+thread's measured CPU time:
+- slot threads: samples waiting for a job (ExecutionSlot._run at its queue) are dropped, and
+  the CPU time is shared out over the other samples by stage;
+- the loop thread: each sample in a Python stage counts 1/rate seconds; what its CPU time has
+  beyond those is "loop": uvloop's own C code and the socket system calls.
 Wall-clock time spent waiting in the queue is not CPU: it comes from the server's own
 xllm:request_queue_time_seconds histogram.
 """
@@ -48,13 +56,16 @@ STAGES = [
     ("schedule", ("engine/", "runtime/executor.py", "metrics.py")),
 ]
 IDLE = ("Condition.wait", "SimpleQueue.get", "_wait_for_tstate_lock", "Event.wait", "select (", "epoll")
+SLOT_WAITING = "ExecutionSlot._run ("  # innermost frame of a slot thread blocked in its queue's get (C code)
+STAGE_NAMES = ["parse", "tokenise", "schedule", "forward", "sample", "detokenise", "respond", "write"]
 
 
 def stage_of(frames: list[str]) -> str:
-    if not frames:  # a thread sampled outside any Python frame: the loop's C code, or waiting
+    """The stage of one sample; 'idle' for a thread that waits, 'loop' for C code with no Python frame."""
+    if not frames:  # the loop's C code, or a thread waiting outside Python
         return "loop"
     innermost = frames[-1]
-    if any(mark in innermost for mark in IDLE):
+    if any(mark in innermost for mark in IDLE) or innermost.startswith(SLOT_WAITING):
         return "idle"
     for frame in reversed(frames):
         for stage, marks in STAGES:
@@ -75,10 +86,42 @@ def fold(raw_path: str) -> dict[str, dict[str, int]]:
     return table
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of the main (event loop) thread and of all the others, from /proc."""
+    seconds = {"loop": 0.0, "slot": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        seconds["loop" if int(tid) == pid else "slot"] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return seconds
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def stage_seconds(table: dict[str, dict[str, int]], cpu: dict[str, float], rate: int) -> dict[str, float]:
+    """Each stage's CPU seconds over the window (see the module's docstring for how)."""
+    seconds = collections.Counter()
+    slot = {stage: n for stage, n in table.get("slot", {}).items() if stage != "idle"}
+    busy = sum(slot.values())
+    for stage, n in slot.items():
+        seconds[stage] += cpu["slot"] * n / busy
+    python = 0.0
+    for stage, n in table.get("loop", {}).items():
+        if stage not in ("idle", "loop"):
+            seconds[stage] += n / rate
+            python += n / rate
+    seconds["loop"] += max(cpu["loop"] - python, 0.0)
+    return dict(seconds)
 
 
 def metric(port: int, name: str) -> float:
@@ -111,14 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     except servers.ServerError as exc:
         print(f"profile_server: {exc}", file=sys.stderr)
         return 1
-    report(fold(raw), *figures, args)
+    report(fold(raw), figures, args)
     return 0
 
 
-def profile_under_load(server: servers.RunningServer, py_spy: str, raw: str,
-                       args: argparse.Namespace) -> tuple[float, float, float, float, float]:
+def profile_under_load(server: servers.RunningServer, py_spy: str, raw: str, args: argparse.Namespace) -> dict:
     """Drive the server with bench_serving in a subprocess and record it with py-spy into raw;
-    returns (requests done, wall seconds, queue seconds, server CPU s, client CPU s) while recorded."""
+    returns what was measured over the recorded window."""
     port = server.port
     prompts = max(200, int(args.seconds * 1000))  # more than the load can finish while profiled
     client = subprocess.Popen(
@@ -127,43 +169,59 @@ def profile_under_load(server: servers.RunningServer, py_spy: str, raw: str,
          "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency), "--disable-progress"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=servers.ROOT)
     try:
-        time.sleep(2.0)  # past the client's warm-up and tokenizer load
+        wait_for_load(port, client)
         done_before = metric(port, "xllm:e2e_request_latency_seconds_count")
         queue_before = metric(port, "xllm:request_queue_time_seconds_sum")
-        cpu_before = (cpu_seconds(server.pid), cpu_seconds(client.pid))
+        server_before, client_before = thread_cpu_seconds(server.pid), cpu_seconds(client.pid)
         started = time.monotonic()
         subprocess.run([py_spy, "record", "-p", str(server.pid), "-d", str(int(args.seconds)), "-r", str(args.rate),
                         "-f", "raw", "-o", raw, "--threads", "--nonblocking"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.monotonic() - started
-        done = metric(port, "xllm:e2e_request_latency_seconds_count") - done_before
-        queue = metric(port, "xllm:request_queue_time_seconds_sum") - queue_before
-        return (done, wall, queue, cpu_seconds(server.pid) - cpu_before[0], cpu_seconds(client.pid) - cpu_before[1])
+        server_after, client_after = thread_cpu_seconds(server.pid), cpu_seconds(client.pid)
+        return {"done": metric(port, "xllm:e2e_request_latency_seconds_count") - done_before, "wall": wall,
+                "queue": metric(port, "xllm:request_queue_time_seconds_sum") - queue_before,
+                "cpu": {k: server_after[k] - server_before[k] for k in server_after},
+                "client_cpu": client_after - client_before}
     finally:
         client.kill()
         client.wait()
 
 
-def report(table: dict, done: float, wall: float, queue: float, cpu_server: float, cpu_client: float,
-           args: argparse.Namespace) -> None:
+def wait_for_load(port: int, client: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Until the client's requests flow: it builds its dataset first, on the same cores."""
+    deadline = time.monotonic() + timeout
+    first = metric(port, "xllm:e2e_request_latency_seconds_count")
+    while metric(port, "xllm:e2e_request_latency_seconds_count") < first + 50:
+        if client.poll() is not None:
+            raise servers.ServerError(f"the load client exited with {client.returncode} before its load began")
+        if time.monotonic() > deadline:
+            raise servers.ServerError(f"no load after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def report(table: dict, figures: dict, args: argparse.Namespace) -> None:
+    done, wall, cpu = figures["done"], figures["wall"], figures["cpu"]
     rate = done / wall
+    per_request = 1000 / done  # seconds over the window -> ms per request
     print(f"load: concurrency {args.concurrency}, {args.random_input} tokens in, {args.random_output} out; "
           f"{rate:.0f} req/s over {wall:.1f} s profiled; server flags: {args.server_args or '(defaults)'}")
-    print(f"CPU per request: server {cpu_server / done * 1000:.2f} ms, load client {cpu_client / done * 1000:.2f} ms "
-          f"(machine: {os.cpu_count()} cores = {os.cpu_count() / rate * 1000:.2f} core-ms per request available)")
-    print(f"mean wait in the queue: {queue / done * 1000:.2f} ms per request (wall clock, not CPU)")
-    stages = ["parse", "tokenise", "schedule", "forward", "sample", "detokenise", "respond", "write", "loop", "idle"]
+    print(f"CPU per request: server {(cpu['loop'] + cpu['slot']) * per_request:.3f} ms (event loop thread "
+          f"{cpu['loop'] * per_request:.3f}, slot threads {cpu['slot'] * per_request:.3f}), load client "
+          f"{figures['client_cpu'] * per_request:.3f} ms; the machine has {os.cpu_count() / rate * 1000:.2f} "
+          f"core-ms per request ({os.cpu_count()} cores)")
+    print(f"mean wait in the queue: {figures['queue'] * per_request:.2f} ms per request (wall clock, not CPU)")
+    stages = STAGE_NAMES + ["loop", "idle"]
     print(f"\n{'thread':<7}" + "".join(f"{s:>11}" for s in stages) + "   (% of that thread's samples)")
     for thread in ("loop", "slot"):
         counts = table.get(thread, {})
         total = sum(counts.values()) or 1
         print(f"{thread:<7}" + "".join(f"{100 * counts.get(s, 0) / total:>10.1f}%" for s in stages))
-    busy = {s: sum(table[t].get(s, 0) for t in ("loop", "slot")) for s in stages if s != "idle"}
-    total_busy = sum(busy.values()) or 1
-    print("\nserver CPU by stage (busy samples of loop and slot threads):")
-    for stage, count in sorted(busy.items(), key=lambda kv: -kv[1]):
-        print(f"  {stage:<11} {100 * count / total_busy:5.1f}%  ~{cpu_server / done * 1000 * count / total_busy:.3f} "
-              f"ms per request")
+    seconds = stage_seconds(table, cpu, args.rate)
+    total = sum(seconds.values()) or 1
+    print("\nserver CPU by stage (measured thread CPU, split by the samples):")
+    for stage, value in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        print(f"  {stage:<11} {100 * value / total:5.1f}%  {value * per_request:.3f} ms per request")
 
 
 if __name__ == "__main__":

@@ -280,3 +280,28 @@ def test_ceiling_summary_takes_medians_over_rounds_and_judges_each_target():
     assert ceiling.summarize(faster)[1:] == [
         "  c=1: served median E2E / offline single request = 1.090 (target <= 1.10: met)",
         "  c=32: served / ceiling = 0.860 (target >= 0.85: met)"]
+
+
+# --- profile_server: how samples split the measured CPU time ---
+
+profile = _import_perf_script("profile_server")
+
+
+def test_profile_samples_name_their_stage_and_a_slot_waiting_for_work_is_idle():
+    slot = ["Thread.run (threading.py:982)"]
+    assert profile.stage_of(slot + ["ExecutionSlot._run (xllm_async/runtime/executor.py:51)"]) == "idle"
+    assert profile.stage_of(slot + ["ExecutionSlot._run (xllm_async/runtime/executor.py:53)",
+                                    "GenerationBatch.prefill (xllm_async/engine/batch.py:43)",
+                                    "Linear.forward (torch/nn/modules/linear.py:125)"]) == "forward"
+    assert profile.stage_of(["parse_completion (xllm_async/api/requests.py:80)"]) == "parse"
+    assert profile.stage_of([]) == "loop"
+
+
+def test_profile_shares_slot_cpu_over_busy_samples_and_leaves_the_loop_rest_to_c_code():
+    table = {"slot": {"forward": 300, "sample": 100, "idle": 600},
+             "loop": {"parse": 10, "respond": 5, "loop": 500, "idle": 3}}
+    seconds = profile.stage_seconds(table, {"slot": 4.0, "loop": 0.5}, rate=100)
+    assert seconds["forward"] == pytest.approx(3.0) and seconds["sample"] == pytest.approx(1.0)
+    assert seconds["parse"] == pytest.approx(0.1) and seconds["respond"] == pytest.approx(0.05)
+    assert seconds["loop"] == pytest.approx(0.35)  # the loop thread's CPU beyond its Python samples
+    assert "idle" not in seconds
