@@ -124,3 +124,18 @@ def test_sampling_follows_the_distribution_and_the_filters():
     rows = torch.cat([logits, logits])
     seen = {tuple(sample(rows, both, [gen, gen])[0]) for _ in range(200)}
     assert {first for first, _ in seen} == {0} and {second for _, second in seen} <= {0, 1, 2}
+
+
+def test_argmax_rows_answers_as_torch_argmax_on_ties_nans_and_views():
+    from xllm_async.engine.sampling import argmax_rows
+
+    torch.manual_seed(0)
+    with torch.inference_mode():  # as on a slot thread
+        scores = torch.randn(5, 3000)
+        scores[1] = 0.0  # all tied: the first
+        scores[2, 7] = scores[2, 9] = 1e9  # two tied maxima: the first
+        scores[3, 11] = float("nan")  # NaN counts as the largest
+        wide = torch.randn(4, 2, 3000)[:, -1, :]  # a strided view, as logits[:, -1, :]
+        for t in (scores, wide):
+            assert argmax_rows(t) == t.argmax(dim=-1).tolist()
+    assert argmax_rows(scores)[1:4] == [0, 7, 11]
