@@ -28,9 +28,11 @@ A request fails on a status other than 200, a broken connection, an error event,
 that ends without `[DONE]`. Failures are counted and the first error is printed; every other
 figure is computed over the successful requests.
 
-HTTP is a small HTTP/1.1 client over asyncio streams (Content-Length, chunked and
-read-until-close bodies, keep-alive): one connection per concurrent worker, and no
-dependency beyond the standard library and numpy. Sweeps reuse `benchmark()` in-process.
+HTTP is a small HTTP/1.1 client: an asyncio.Protocol per connection whose bytes httptools
+parses as they arrive (Content-Length, chunked and read-until-close bodies, keep-alive),
+one connection per concurrent worker. It shares the cores with the server it measures, so
+it is built to cost little: a reader wakes once per arrival, not once per line. Needs
+httptools and numpy (both installed with the server). Sweeps reuse `benchmark()` in-process.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+import httptools
 import numpy as np
 
 try:  # orjson parses the many small SSE events several times faster: the client must not be the bottleneck
@@ -160,6 +163,93 @@ class HttpResponse:
         return b"".join([piece async for piece in self.chunks])
 
 
+class _Response:
+    """One response as its connection's parser fills it in: head, body pieces, the end."""
+
+    __slots__ = ("status", "headers", "keep_alive", "until_close", "head_done", "pieces", "complete", "error")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.keep_alive = False
+        self.until_close = False  # no length given: the body runs until the server closes
+        self.head_done = False
+        self.pieces: list[bytes] = []  # body bytes not yet handed to the reader
+        self.complete = False
+        self.error: Exception | None = None
+
+
+class _ClientProtocol(asyncio.Protocol):
+    """httptools' callbacks for one connection: they fill in the response being read and wake its
+    reader. The parser runs inside data_received, so a reader wakes once per arrival, however many
+    headers, chunks or events it carried (a streams-based reader pays an await per line)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: _Response | None = None
+        self.closed = False
+        self._waiter: asyncio.Future | None = None
+
+    async def wait(self) -> None:
+        """Until more arrives for the current response, or the connection ends."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # asyncio callbacks
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.response is None:  # nothing was asked: a server that talks out of turn
+            self.transport.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.response.error = HttpError(f"bad response: {exc}")
+            self.transport.close()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        response = self.response
+        if response is not None and not response.complete and response.error is None:
+            if response.until_close:
+                response.complete = True
+            elif response.head_done:
+                response.error = HttpError("connection closed inside the response body")
+        self._wake()
+
+    # httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        response.status = self.parser.get_status_code()
+        response.keep_alive = self.parser.should_keep_alive()
+        headers = response.headers
+        response.until_close = "content-length" not in headers and "chunked" not in headers.get(
+            "transfer-encoding", "").lower() and response.status not in (204, 304)
+        response.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.response.pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        self.response.complete = True
+
+
 class HttpConnection:
     """One keep-alive HTTP/1.1 connection, opened on first use; its requests go one after another.
 
@@ -170,102 +260,61 @@ class HttpConnection:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._protocol: _ClientProtocol | None = None
         self._busy = False  # a response is still being read
 
     async def request(self, method: str, path: str, body: bytes = b"") -> HttpResponse:
         if self._busy:
             self.close()
-        if self._writer is not None:
+        if self._protocol is not None and not self._protocol.closed:
             try:
                 return await self._exchange(method, path, body)
             except _StaleConnection:  # the server dropped the idle connection: resend once on a new one
                 self.close()
-        self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        _, self._protocol = await asyncio.get_running_loop().create_connection(
+            _ClientProtocol, self.host, self.port)
         try:
             return await self._exchange(method, path, body)
         except _StaleConnection:
             raise HttpError("connection closed before the response") from None
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._reader = self._writer = None
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+        self._protocol = None
         self._busy = False
 
     async def _exchange(self, method: str, path: str, body: bytes) -> HttpResponse:
+        protocol = self._protocol
+        response = protocol.response = _Response()
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()
-        try:
-            self._writer.write(head + body)
-            await self._writer.drain()
-            status_line = await self._reader.readline()
-        except ConnectionError:
-            raise _StaleConnection from None
-        if not status_line:
-            raise _StaleConnection
+        protocol.transport.write(head + body)
+        while not response.head_done:
+            if response.error is not None:
+                raise response.error
+            if protocol.closed:
+                raise _StaleConnection
+            await protocol.wait()
         self._busy = True
-        status, http11 = parse_status_line(status_line)
-        headers = await self._read_headers()
-        keep_alive = http11 and headers.get("connection", "").lower() != "close"
-        return HttpResponse(status, headers, self._body(headers, keep_alive))
+        return HttpResponse(response.status, response.headers, self._body(protocol, response))
 
-    async def _read_headers(self) -> dict[str, str]:
-        headers = {}
-        while (line := await self._reader.readline()) not in (b"\r\n", b"\n"):
-            if not line:
-                raise HttpError("connection closed inside the response headers")
-            name, _, value = line.partition(b":")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-        return headers
-
-    async def _body(self, headers: dict[str, str], keep_alive: bool) -> AsyncIterator[bytes]:
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            pieces = self._chunked_body()
-        elif "content-length" in headers:
-            pieces = self._sized_body(int(headers["content-length"]))
-        else:  # no length given: the body runs until the server closes
-            pieces, keep_alive = self._body_until_close(), False
-        async for piece in pieces:
-            yield piece
-        self._busy = False
-        if not keep_alive:
-            self.close()
-
-    async def _chunked_body(self) -> AsyncIterator[bytes]:
+    async def _body(self, protocol: _ClientProtocol, response: _Response) -> AsyncIterator[bytes]:
+        """What arrived since the last piece, as one piece (events that came together stay together)."""
         while True:
-            size_line = await self._reader.readline()
-            try:
-                size = int(size_line.split(b";", 1)[0], 16)
-            except ValueError:
-                raise HttpError(f"bad chunk size line {size_line[:40]!r}") from None
-            if size == 0:
-                while (await self._reader.readline()) not in (b"\r\n", b"\n", b""):
-                    pass  # trailer fields: nothing we use
-                return
-            yield await self._reader.readexactly(size)
-            await self._reader.readexactly(2)  # the CRLF after the chunk
-
-    async def _sized_body(self, remaining: int) -> AsyncIterator[bytes]:
-        while remaining:
-            piece = await self._reader.read(min(remaining, 1 << 16))
-            if not piece:
-                raise HttpError("connection closed inside the response body")
-            remaining -= len(piece)
-            yield piece
-
-    async def _body_until_close(self) -> AsyncIterator[bytes]:
-        while piece := await self._reader.read(1 << 16):
-            yield piece
-
-
-def parse_status_line(line: bytes) -> tuple[int, bool]:
-    """(status, whether the server speaks HTTP/1.1) from `HTTP/1.1 200 OK`."""
-    parts = line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise HttpError(f"bad status line {line[:80]!r}")
-    return int(parts[1]), parts[0] != b"HTTP/1.0"
+            if response.pieces:
+                piece = b"".join(response.pieces)
+                response.pieces.clear()
+                yield piece
+            elif response.error is not None:
+                raise response.error
+            elif response.complete:
+                break
+            else:
+                await protocol.wait()
+        self._busy = False
+        if not response.keep_alive or protocol.closed:
+            self.close()
 
 
 class SseParser:

@@ -221,6 +221,20 @@ async def test_a_connection_the_server_closed_is_reopened():
     assert [(r.success, r.generated_text, r.output_len) for r in results] == [(True, "ok", 1)] * 3
 
 
+async def test_a_body_without_length_runs_until_close_and_a_cut_body_fails():
+    whole = b'{"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}'
+    until_close = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + whole
+    cut = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(whole) + 10, whole)
+    results = []
+    for answer in (until_close, cut):
+        async with canned_server([answer], close_after_each=True) as port:
+            conn = bench.HttpConnection("127.0.0.1", port)
+            results.append(await bench.send_request(conn, "/v1/completions", b"{}", 5, chat=False, stream=False))
+            conn.close()
+    assert (results[0].success, results[0].generated_text) == (True, "ok")
+    assert results[1].error == "HttpError: connection closed inside the response body"
+
+
 # --- against the real server ---
 
 
