@@ -26,8 +26,10 @@ def test_weights_move_into_one_block_with_the_same_values_and_ties():
     ids = torch.tensor([[1, 5, 999]])
     with torch.no_grad():
         expected = model(ids)
+    threads = torch.get_num_threads()
     block = pack_weights(model)
     assert block is not None
+    assert torch.get_num_threads() == threads  # copied with one thread, then put back
     start = torch.frombuffer(block, dtype=torch.uint8).data_ptr()
     pointers = sorted(p.data_ptr() for p in model.parameters())
     assert all(start <= ptr < start + len(block) for ptr in pointers)
