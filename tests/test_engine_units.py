@@ -139,3 +139,5 @@ def test_argmax_rows_answers_as_torch_argmax_on_ties_nans_and_views():
         for t in (scores, wide):
             assert argmax_rows(t) == t.argmax(dim=-1).tolist()
     assert argmax_rows(scores)[1:4] == [0, 7, 11]
+    half = torch.randn(3, 500, requires_grad=True).bfloat16()  # no numpy bfloat16: torch answers
+    assert argmax_rows(half) == half.argmax(dim=-1).tolist()

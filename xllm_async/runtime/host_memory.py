@@ -44,8 +44,10 @@ def pack_weights(model: torch.nn.Module) -> mmap.mmap | None:
     except OSError as exc:
         log.warning("weights stay file-backed: no %d MiB block (%s)", total >> 20, exc)
         return None
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the block is still resident memory
+    try:
         block.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or no transparent huge pages: still one resident block
+        pass
     raw = torch.frombuffer(block, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     # One intra-op thread for the copies: a parallel copy here (on the thread that
