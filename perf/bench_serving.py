@@ -15,7 +15,10 @@ the prompt's own tokens: a tokenizer that prepends BOS, or a chat template, adds
 on the server. Every request asks `max_tokens` = its drawn output length with
 `ignore_eos: true` and `temperature: 0`, so outputs have the asked length.
 
-Timing (perf_counter, from just before the request is written):
+Timing (perf_counter, from just before the request is written; each piece of the body is
+stamped when the reader gets it, before its events are parsed):
+- E2E latency: until the last piece of the response arrived (vLLM's definition: the client's
+  own parsing after that is not the server's latency);
 - TTFT: until the first SSE event carrying non-empty text (`choices[0].text`, or
   `choices[0].delta.content` on chat); without streaming, the whole latency;
 - ITL: the gaps between successive events carrying text;
@@ -408,31 +411,35 @@ async def send_request(conn: HttpConnection, path: str, body: bytes, prompt_len:
     """One request, timed; any failure becomes the result's error, never an exception."""
     result = RequestResult(prompt_len=prompt_len)
     start = time.perf_counter()
+    end = None  # when the last piece of the response arrived
     try:
         response = await conn.request("POST", path, body)
         if response.status != 200:
             result.error = f"HTTP {response.status}: {error_message(await response.read())}"
         elif stream:
-            await read_stream(response, result, start, chat)
+            end = await read_stream(response, result, start, chat)
         else:
-            whole = json_loads(await response.read())
+            data = await response.read()
+            end = time.perf_counter()
+            whole = json_loads(data)
             result.generated_text = whole_text(whole, chat)
             result.output_len = (whole.get("usage") or {}).get("completion_tokens")
     except Exception as exc:  # noqa: BLE001  (whatever broke, the request fails with the reason)
         conn.close()
         result.error = f"{type(exc).__name__}: {exc}"
-    result.latency = time.perf_counter() - start
+    result.latency = (end or time.perf_counter()) - start
     if not result.ttft:  # not streamed, or no text came: the first text arrived with the end
         result.ttft = result.latency
     result.success = not result.error
     return result
 
 
-async def read_stream(response: HttpResponse, result: RequestResult, start: float, chat: bool) -> None:
-    """Reads SSE events to the end, filling in the timings, text, usage or the first error."""
+async def read_stream(response: HttpResponse, result: RequestResult, start: float, chat: bool) -> float:
+    """Reads SSE events to the end, filling in the timings, text, usage or the first error;
+    returns when the last piece arrived."""
     parser = SseParser()
     parts: list[str] = []
-    last = start
+    last = now = start
     done = False
     async for piece in response.chunks:
         now = time.perf_counter()  # events in one piece arrived together
@@ -458,6 +465,7 @@ async def read_stream(response: HttpResponse, result: RequestResult, start: floa
     result.generated_text = "".join(parts)
     if not done and not result.error:
         result.error = "stream ended without [DONE]"
+    return now
 
 
 def count_retokenized(results: list[RequestResult], tokenizer) -> None:

@@ -207,6 +207,9 @@ async def test_stream_failures_are_reported(events, error):
         conn.close()
     assert (result.success, result.error) == (not error, error)
     assert result.generated_text == "hi" and result.ttft > 0
+    # One small write arrives as one piece: the text and the end came together, and the
+    # latency ends when they arrived, not after the client parsed them.
+    assert result.latency == result.ttft
 
 
 async def test_a_connection_the_server_closed_is_reopened():
