@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import types
 
@@ -104,3 +105,18 @@ def test_cpu_binding_splits_cores_and_enters_inference_mode():
     assert seen["threads"] == 1
     assert seen["inference"] is True
     assert isinstance(device_mod, types.ModuleType)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_slot_threads_run_nicer_than_the_process():
+    from xllm_async.runtime.executor import start_slots
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    slots = start_slots(torch.device("cpu"), 2, cpu_threads=1, nice=3)
+    try:
+        for slot in slots:
+            assert os.getpriority(os.PRIO_PROCESS, slot.native_id) == min(base + 3, 19)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the loop's thread is untouched
+    finally:
+        for slot in slots:
+            slot.stop()

@@ -27,6 +27,7 @@ class Settings:
     scheduler: str = "fixed_steps"
     concurrent_execute_stream_num: int = 2
     torch_threads: int = 0
+    slot_nice: int = 5
     max_tokens_per_batch: int = 8192
     max_seqs_per_batch: int = 256
     max_model_len: int | None = None
@@ -128,6 +129,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "concurrent_execute_stream_num": (_int_range(1, 64),
                                       "N execution streams/slots for fixed_steps (1 = a single worker)"),
     "torch_threads": (_int_range(0, 1024), "CPU only: intra-op threads per slot; 0 = cores // slots"),
+    "slot_nice": (_int_range(0, 19), "Linux: slot threads run this much nicer than the event loop, "
+                                     "so it answers promptly while they compute; 0 = same priority"),
     "max_tokens_per_batch": (_int_range(1), "token budget of one batch (padded prompt tokens)"),
     "max_seqs_per_batch": (_int_range(1), "sequence budget of one batch"),
     "max_model_len": (_optional(_int_range(2)), "longest prompt + output in tokens (default: the model's)"),

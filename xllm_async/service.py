@@ -56,7 +56,7 @@ class Service:
             log.info("continuous scheduler: one batch in flight on one slot "
                      "(XLLM_CONCURRENT_EXECUTE_STREAM_NUM applies to fixed_steps)")
         self.slots = start_slots(self.runner.device, 1 if continuous else settings.concurrent_execute_stream_num,
-                                 settings.torch_threads)
+                                 settings.torch_threads, settings.slot_nice)
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
                                lambda: self.runner.load_seconds))
