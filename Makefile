@@ -39,8 +39,10 @@ bench: install
 	$(PY) perf/bench_serving.py --random-input 320 --random-output 1 --num-prompts 100 --max-concurrency 2 $(BENCH_ARGS)
 
 # xLLM's seed comparison: continuous N=1 vs fixed_steps N=2, same model, interleaved, at concurrency 2 and 32.
+# 1000 prompts a point (bench_serving's and vLLM's default): with 200, a point at concurrency 32 is
+# a few batches per slot, and the ramp at its start and end weighs as much as the steady state.
 seed: install
-	$(PY) perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 200 --rounds 3 \
+	$(PY) perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 1000 --rounds 3 \
 		--tables $(SWEEP_ARGS)
 
 sweep: install
