@@ -66,6 +66,11 @@ def run_offline(args: argparse.Namespace) -> dict:
             "single_ms": single["median_batch_ms"]}
 
 
+def prompts_for(concurrency: int, num_prompts: int | None) -> int:
+    """Prompts for one served point: enough that the steady state outweighs the ramp."""
+    return num_prompts or max(400, 30 * concurrency)
+
+
 async def run_served(base_url: str, prompts: list, tokenizer, args: argparse.Namespace) -> dict[int, dict]:
     """bench_serving at every concurrency, after an unmeasured warm-up at the largest."""
     model = (await bench.fetch_model_info(base_url))["id"]
@@ -76,7 +81,7 @@ async def run_served(base_url: str, prompts: list, tokenizer, args: argparse.Nam
         raise CeilingError(f"warm-up failed: {warm['first_error']}")
     served = {}
     for concurrency in args.concurrency:
-        count = args.num_prompts or max(400, 30 * concurrency)
+        count = prompts_for(concurrency, args.num_prompts)
         served[concurrency] = await bench.benchmark(base_url, prompts[:count], max_concurrency=concurrency,
                                                     warmup_requests=1, **common)
         if served[concurrency]["failed"]:
@@ -130,7 +135,7 @@ def summarize(rows: list[dict]) -> list[str]:
 
 def run(args: argparse.Namespace) -> list[dict]:
     tokenizer = bench.load_tokenizer(args.model)
-    count = max(args.num_prompts or 0, *(max(400, 30 * c) for c in args.concurrency))
+    count = max(prompts_for(c, args.num_prompts) for c in args.concurrency)
     prompts = bench.make_random_prompts(tokenizer, count, args.input_len, args.output_len, seed=args.seed)
     rows = []
     for index in range(1, args.rounds + 1):

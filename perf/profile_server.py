@@ -86,26 +86,26 @@ def fold(raw_path: str) -> dict[str, dict[str, int]]:
     return table
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def stat_cpu_seconds(stat_path: str) -> float:
+    """User + system CPU seconds from a /proc .../stat file (a process's or one thread's)."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds of the main (event loop) thread and of all the others, from /proc."""
     seconds = {"loop": 0.0, "slot": 0.0}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
         except FileNotFoundError:  # a thread that just ended
             continue
-        seconds["loop" if int(tid) == pid else "slot"] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        seconds["loop" if int(tid) == pid else "slot"] += cpu
     return seconds
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def stage_seconds(table: dict[str, dict[str, int]], cpu: dict[str, float], rate: int) -> dict[str, float]:
@@ -172,13 +172,13 @@ def profile_under_load(server: servers.RunningServer, py_spy: str, raw: str, arg
         wait_for_load(port, client)
         done_before = metric(port, "xllm:e2e_request_latency_seconds_count")
         queue_before = metric(port, "xllm:request_queue_time_seconds_sum")
-        server_before, client_before = thread_cpu_seconds(server.pid), cpu_seconds(client.pid)
+        server_before, client_before = thread_cpu_seconds(server.pid), stat_cpu_seconds(f"/proc/{client.pid}/stat")
         started = time.monotonic()
         subprocess.run([py_spy, "record", "-p", str(server.pid), "-d", str(int(args.seconds)), "-r", str(args.rate),
                         "-f", "raw", "-o", raw, "--threads", "--nonblocking"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.monotonic() - started
-        server_after, client_after = thread_cpu_seconds(server.pid), cpu_seconds(client.pid)
+        server_after, client_after = thread_cpu_seconds(server.pid), stat_cpu_seconds(f"/proc/{client.pid}/stat")
         return {"done": metric(port, "xllm:e2e_request_latency_seconds_count") - done_before, "wall": wall,
                 "queue": metric(port, "xllm:request_queue_time_seconds_sum") - queue_before,
                 "cpu": {k: server_after[k] - server_before[k] for k in server_after},

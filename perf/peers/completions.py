@@ -10,6 +10,7 @@ mask; a batch runs until its longest request is done, each row cut to its own `m
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -208,3 +209,13 @@ def models_list(model_dir: str, name: str | None, owned_by: str) -> dict:
     """The body of GET /v1/models."""
     return {"object": "list", "data": [{"id": served_name(model_dir, name), "object": "model",
                                         "root": os.path.abspath(model_dir), "owned_by": owned_by}]}
+
+
+def server_parser(description: str, port: int) -> argparse.ArgumentParser:
+    """The command line every peer server starts with: the model, its name, where to listen."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer)")
+    parser.add_argument("--served-model-name", help="default: the folder's name")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    return parser

@@ -12,12 +12,11 @@ event loop (`call_soon_threadsafe` into an asyncio.Queue), and a StreamingRespon
 an SSE event at once — the pattern of TextIteratorStreamer, per token instead of per word.
 """
 
-import argparse
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
-from completions import CausalLM, Completion, CompletionRequest, models_list
+from completions import CausalLM, Completion, CompletionRequest, models_list, server_parser
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
@@ -63,11 +62,7 @@ async def sse_events(completion: Completion, tokens: asyncio.Queue, generating: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer)")
-    parser.add_argument("--served-model-name", help="default: the folder's name")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8102)
+    parser = server_parser(__doc__, port=8102)
     parser.add_argument("--threads", type=int, default=None,
                         help="generate calls at once (default: ThreadPoolExecutor's, min(32, cores + 4))")
     parser.add_argument("--log-level", default="warning")

@@ -16,7 +16,6 @@ LitServe sends every response of a streaming API as a chunked body without a con
 benchmark client does not mind. `/health` is LitServe's own; `/v1/models` is added to its app.
 """
 
-import argparse
 import os
 import queue
 import signal
@@ -24,7 +23,7 @@ import threading
 from collections.abc import Iterator
 
 import litserve as ls
-from completions import CausalLM, Completion, CompletionRequest, models_list
+from completions import CausalLM, Completion, CompletionRequest, models_list, server_parser
 
 
 class CompletionsAPI(ls.LitAPI):
@@ -75,11 +74,7 @@ class CompletionsAPI(ls.LitAPI):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer)")
-    parser.add_argument("--served-model-name", help="default: the folder's name")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8101)
+    parser = server_parser(__doc__, port=8101)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--batch-timeout", type=float, default=0.005, help="seconds to wait for a batch to fill")
     parser.add_argument("--fast-queue", action="store_true", help="LitServe's ZeroMQ response transport")
