@@ -562,11 +562,13 @@ async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: s
                     endpoint: str = "/v1/completions", max_concurrency: int | None = None,
                     request_rate: float = math.inf, stream: bool = True, backend: str = "openai",
                     seed: int = 0, warmup_requests: int = 0, progress: bool = False,
-                    extra_body: dict | None = None) -> dict:
+                    extra_body: dict | None = None, keep_texts: bool = False) -> dict:
     """Sends every prompt, then returns compute_metrics' figures plus the run's configuration.
 
     max_concurrency None means one connection per prompt. The first warmup_requests prompts are
     sent once, one by one, before the clock starts; a failed warm-up raises BenchmarkError.
+    keep_texts adds "generated_texts": each prompt's answer in prompt order (None where it failed),
+    for comparing the answers of two servers.
     """
     if not prompts:
         raise BenchmarkError("no prompts to send")
@@ -597,6 +599,8 @@ async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: s
     metrics.update(backend=backend, base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(prompts),
                    max_concurrency=max_concurrency, request_rate="inf" if math.isinf(request_rate) else request_rate,
                    stream=stream, date=datetime.now().isoformat(timespec="seconds"))
+    if keep_texts:
+        metrics["generated_texts"] = [r.generated_text if r.success else None for r in results]
     return metrics
 
 

@@ -58,7 +58,8 @@ METRIC_COLUMNS = {
     "p99_ttft_ms": "p99_ttft_ms",
     "failed": "failed",
 }
-CSV_COLUMNS = ["config", "concurrency", "round", *METRIC_COLUMNS, "completed", "num_prompts", "duration_s"]
+CSV_COLUMNS = ["config", "concurrency", "round", *METRIC_COLUMNS, "completed", "num_prompts", "duration_s",
+               "outputs_differ"]
 
 
 class SweepError(Exception):
@@ -114,8 +115,25 @@ def make_row(config: str, concurrency: int, round_index: int, metrics: dict) -> 
     """One CSV row from bench_serving's metrics of one point."""
     row = {"config": config, "concurrency": concurrency, "round": round_index}
     row.update({column: metrics[key] for column, key in METRIC_COLUMNS.items()})
-    row.update(completed=metrics["completed"], num_prompts=metrics["num_prompts"], duration_s=metrics["duration"])
+    row.update(completed=metrics["completed"], num_prompts=metrics["num_prompts"], duration_s=metrics["duration"],
+               outputs_differ=metrics.get("outputs_differ", 0))
     return row
+
+
+def count_differences(reference: list[str | None], texts: list[str | None]) -> int:
+    """Prompts answered in both runs whose answers differ (failures are counted apart, as failed)."""
+    return sum(1 for a, b in zip(reference, texts) if a is not None and b is not None and a != b)
+
+
+class OutputCheck:
+    """Every point's answers against the first point measured at the same concurrency: greedy
+    decoding with EOS ignored must give every configuration, every round, the same text."""
+
+    def __init__(self) -> None:
+        self.reference: dict[int, list[str | None]] = {}
+
+    def differences(self, concurrency: int, texts: list[str | None]) -> int:
+        return count_differences(self.reference.setdefault(concurrency, texts), texts)
 
 
 class CsvLog:
@@ -146,10 +164,12 @@ async def sweep_server(base_url: str, prompts: list, tokenizer, args: argparse.N
     for concurrency in args.concurrency:
         count = prompts_for(concurrency, args.num_prompts)
         metrics = await bench.benchmark(base_url, prompts[:count], max_concurrency=concurrency,
-                                        warmup_requests=1, **common)
+                                        warmup_requests=1, keep_texts=True, **common)
+        metrics["outputs_differ"] = args.output_check.differences(concurrency, metrics.pop("generated_texts"))
         record(concurrency, metrics)
         print(f"  concurrency {concurrency:>4}: {metrics['request_throughput']:8.2f} req/s, "
-              f"median E2E {metrics['median_e2e_latency_ms']:8.1f} ms, failed {metrics['failed']}", flush=True)
+              f"median E2E {metrics['median_e2e_latency_ms']:8.1f} ms, failed {metrics['failed']}, "
+              f"answers unlike the first run's {metrics['outputs_differ']}", flush=True)
         if args.tables:
             metrics["backend"] = args.current_config
             print(bench.format_table(metrics), flush=True)
@@ -162,6 +182,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
     most = max(max(prompts_for(c, args.num_prompts) for c in args.concurrency), args.warmup_prompts)
     prompts = bench.make_random_prompts(tokenizer, most, args.random_input, args.random_output, seed=args.seed)
     rows = []
+    args.output_check = OutputCheck()
     for round_index in range(1, args.rounds + 1):
         for name, server_args in configs.items():
             print(f"round {round_index}/{args.rounds}: {name} ({shlex.join(server_args)})", flush=True)
@@ -234,6 +255,16 @@ def format_ratios(ratios: dict[int, dict[str, float]], configs: list[str]) -> st
     return "\n".join(lines)
 
 
+def format_output_check(rows: list[dict]) -> str:
+    """Whether every run answered like the first run at its concurrency, and where not."""
+    unlike = [row for row in rows if row["outputs_differ"]]
+    if not unlike:
+        return "answers: identical in every configuration and round (each point against the first at its concurrency)"
+    return "answers DIFFER from the first run at the same concurrency:\n" + "\n".join(
+        f"  {row['config']} round {row['round']} concurrency {row['concurrency']}: "
+        f"{row['outputs_differ']} of {row['completed']} prompts" for row in unlike)
+
+
 def plot(summary: dict[tuple[str, int], dict[str, float]], configs: list[str], concurrencies: list[int],
          out_dir: str) -> list[str]:
     """throughput.png (req/s) and latency.png (P50 and P99 E2E) against concurrency on a log2
@@ -285,6 +316,8 @@ def report(rows: list[dict], configs: list[str], concurrencies: list[int], out_d
     print(format_summary(summary, configs, concurrencies))
     print()
     print(format_ratios(throughput_ratios(summary, configs, concurrencies), configs))
+    print()
+    print(format_output_check(rows))
     try:
         paths = plot(summary, configs, concurrencies, out_dir)
     except ImportError:

@@ -247,8 +247,9 @@ async def test_benchmark_against_the_server(server, tokenizer, endpoint, stream)
     prompt_format = "text" if "chat" in endpoint else "ids"
     prompts = bench.make_random_prompts(tokenizer, 8, 16, 4, seed=1, prompt_format=prompt_format)
     m = await bench.benchmark(f"http://127.0.0.1:{server.port}", prompts, tokenizer=tokenizer, model="tiny",
-                              endpoint=endpoint, max_concurrency=2, stream=stream)
+                              endpoint=endpoint, max_concurrency=2, stream=stream, keep_texts=True)
     assert (m["completed"], m["failed"]) == (8, 0), m["first_error"]
+    assert len(m["generated_texts"]) == 8 and all(isinstance(t, str) and t for t in m["generated_texts"])
     assert m["total_input_tokens"] == 128 and m["total_output_tokens"] == 32
     assert m["total_output_tokens_retokenized"] > 0
     assert m["mean_ttft_ms"] > 0 and m["mean_e2e_latency_ms"] >= m["mean_ttft_ms"]
@@ -274,8 +275,9 @@ async def test_failed_requests_are_counted_with_the_first_error(server, tokenize
     }[where]
     prompts = bench.make_random_prompts(tokenizer, 8, 16, 4)
     m = await bench.benchmark(base_url, prompts, tokenizer=tokenizer, model="tiny", endpoint=endpoint,
-                              max_concurrency=2)
+                              max_concurrency=2, keep_texts=True)
     assert (m["completed"], m["failed"]) == (0, 8)
+    assert m["generated_texts"] == [None] * 8
     assert m["first_error"].startswith(error)
     table = bench.format_table(m)
     assert "Failed requests:                         8" in table and error in table

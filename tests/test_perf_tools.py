@@ -91,6 +91,22 @@ def test_row_has_every_csv_column_from_the_benchmark_metrics(tmp_path):
     assert read["config"] == "A" and float(read["req_per_s"]) == 40.0 and read["failed"] == "1"
 
 
+def test_each_point_is_checked_against_the_first_answers_at_its_concurrency():
+    check = sweep.OutputCheck()
+    assert check.differences(2, ["a", "b", "c"]) == 0  # the first run at 2 is the reference
+    assert check.differences(2, ["a", "x", "c"]) == 1
+    assert check.differences(2, ["a", None, "y"]) == 1  # a failure is counted as failed, not here
+    assert check.differences(32, ["x", "x", "x"]) == 0  # another concurrency has its own reference
+
+
+def test_the_answer_verdict_names_every_point_that_differs():
+    rows = hand_made_rows()
+    assert sweep.format_output_check(rows).startswith("answers: identical")
+    rows[1]["outputs_differ"] = 3
+    verdict = sweep.format_output_check(rows)
+    assert "DIFFER" in verdict and "A round 1 concurrency 4: 3 of 100 prompts" in verdict
+
+
 def hand_made_rows() -> list[dict]:
     """Two configs, two concurrencies, three rounds; B has no point at concurrency 4."""
     rows = []

