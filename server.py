@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 
-import xllm_async  # noqa: F401  (sets the torch_npu autoload switch before torch is imported)
+import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
 from xllm_async.config import ConfigError, Settings, load_settings
 
 

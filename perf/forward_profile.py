@@ -21,7 +21,7 @@ import time
 
 import servers
 
-import xllm_async  # noqa: F401  (sets the torch_npu autoload switch before torch is imported)
+import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
 from xllm_async.engine.sampling import argmax_rows
 from xllm_async.runtime.device import StreamBinding, resolve_device
 from xllm_async.runtime.model_runner import ModelRunner

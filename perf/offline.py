@@ -40,7 +40,7 @@ import numpy as np
 import servers
 import sweep
 
-import xllm_async  # noqa: F401  (sets the torch_npu autoload switch before torch is imported)
+import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
 from xllm_async.engine.batch import GenerationBatch
 from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams

@@ -18,6 +18,18 @@ def test_torch_npu_autoload_is_off_before_torch_imports():
     assert os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
 
 
+@pytest.mark.parametrize("given, expected", [(None, "30000"), ("500", "500")])
+def test_openmp_spin_count_is_set_before_torch_loads_unless_the_user_set_it(given, expected):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    code = "import os, sys, xllm_async; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [expected, "False"]  # set, and torch (so libgomp) not loaded yet
+
+
 def test_auto_on_this_machine_is_cpu_without_torch_npu():
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine")
