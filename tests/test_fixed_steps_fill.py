@@ -1,6 +1,7 @@
-"""The fixed-steps batcher lets a batch fill while another slot is busy, never
-makes a request wait when a slot is idle or for longer than a prefill, and
-takes a fair share of the requests while the other slots run short batches."""
+"""The fixed-steps batcher lets a batch fill while another slot is busy or the
+last batch's clients are coming back, never makes a lone request on a quiet
+server wait, nor any request longer than a prefill, and takes a fair share of
+the requests while the other slots run short batches."""
 
 from __future__ import annotations
 
@@ -47,9 +48,37 @@ async def two_slots():
 
 async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
     batcher, slots = two_slots
-    batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill
+    batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill, long ago
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1]
+
+
+async def test_on_an_idle_server_the_last_batchs_clients_are_waited_for(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request()])
+    batcher._release(slots[0], 3, 10.0)  # a batch of 3 just finished: every slot idle now
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1  # the first one back waits for the others...
+    batcher.add([request(), request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 3]  # ...and leaves with them
+
+
+async def test_on_an_idle_server_the_wait_ends_a_prefill_after_the_last_batch(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request()])
+    batcher._release(slots[0], 16, 0.05)
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1
+    await asyncio.sleep(0.08)
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
+
+
+async def test_a_lone_client_never_waits_after_its_own_batch(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request()])
+    batcher._release(slots[0], 1, 10.0)  # concurrency 1: the last batch held one request
+    batcher.add([request()])
+    assert [len(s.batches) for s in slots] == [2, 0]  # started inside add(), as on a quiet server
 
 
 async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots):
@@ -106,3 +135,32 @@ async def test_the_most_recently_freed_slot_is_taken_first(two_slots):
     batcher._release(slots[0], 1, 0.001)
     batcher.add([request()])
     assert [len(s.batches) for s in slots] == [2, 1]  # slot 0 came free last: its thread is warm
+
+
+class LaggingClock:
+    """The running loop, but its time() reads 5 ms behind the clock its timers use: a timer
+    fires while time() still reads before its deadline, as uvloop's millisecond clock can."""
+
+    def __init__(self, loop) -> None:
+        self._loop = loop
+
+    def time(self) -> float:
+        return self._loop.time() - 0.005
+
+    def __getattr__(self, name):
+        return getattr(self._loop, name)
+
+
+async def test_a_wait_ends_when_its_timer_fires_whatever_the_clock_reads():
+    slots = [HeldSlot(0)]
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
+                                LaggingClock(asyncio.get_running_loop()))
+    batcher.start()
+    try:
+        batcher.add([request()])
+        batcher._release(slots[0], 16, 0.02)  # 16 clients coming back: the next request waits for them
+        batcher.add([request()])
+        await asyncio.sleep(0.1)
+        assert [len(b) for b in slots[0].batches] == [1, 1]  # it went alone when the timer fired
+    finally:
+        await batcher.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class FixedStepsBatcher:
         self._loop = loop
         self._arrived = asyncio.Event()  # a request arrived or a slot came free
         self._last_batch = (0, 0.0)  # (requests, prefill seconds) of the batch that finished last
+        self._released_at = -math.inf  # loop time when it finished
         self._running: dict[int, tuple[int, int]] = {}  # slot index -> (requests, steps) of its batch
         # Free slots, the most recently freed last: it is taken first, so that
         # at low load one thread (and its core's caches) does the work.
@@ -99,7 +101,11 @@ class FixedStepsBatcher:
     def _worth_filling(self, others_busy: int) -> bool:
         """Whether a batch about to start should wait for company (see _fill)."""
         size = min(self._last_batch[0], self.budget.max_seqs)
-        return others_busy > 0 and len(self.waiting) < size
+        if len(self.waiting) >= size:
+            return False
+        # Another slot is busy, or the last batch finished less than its prefill ago: its clients
+        # are on their way back.
+        return others_busy > 0 or self._loop.time() - self._released_at < self._last_batch[1]
 
     async def _fill(self) -> None:
         """Let a batch fill up before it starts, when that is likely to pay.
@@ -107,20 +113,34 @@ class FixedStepsBatcher:
         Clients in a closed loop send their next requests right after their
         answers, so when a batch of k has just finished, about k requests are on
         their way; a slot that starts on the first of them runs a batch of one,
-        and the next batches stay small. So, while another slot is still busy
-        (an idle server never waits), wait until as many requests wait as the
+        and the next batches stay small. So, while another slot is still busy,
+        or while the last batch finished less than its prefill ago (with one
+        slot, its clients come back to an idle server: without the wait, batches
+        of one and of k-1 alternate), wait until as many requests wait as the
         last finished batch held, or a slot comes free, but never longer than
         that batch's prefill took: a request waits at most one prefill's time
-        for company. Every wake-up is an arrival, a freed slot or that one
-        deadline; nothing polls.
+        for company. A lone request on a quiet server never waits: the last
+        batch held one, or finished long ago. Every wake-up is an arrival, a
+        freed slot or that one deadline; nothing polls.
         """
         # The slot in hand counts as busy; "another slot" is any beyond it.
         if not self._worth_filling(self.busy_slots - 1):
             return
-        deadline = self._loop.time() + self._last_batch[1]
-        timer = self._loop.call_at(deadline, self._arrived.set)
+        # With every other slot idle, the wait is for the last batch's clients: a prefill from its end.
+        start = self._loop.time() if self.busy_slots > 1 else self._released_at
+        expired = False
+
+        def expire() -> None:
+            # A flag, not a clock comparison: uvloop's timers and loop.time() tick in whole
+            # milliseconds, so a timer can fire while loop.time() still reads just before its
+            # deadline, and a wait that compared clocks would sleep on with nothing left to wake it.
+            nonlocal expired
+            expired = True
+            self._arrived.set()
+
+        timer = self._loop.call_at(start + self._last_batch[1], expire)
         try:
-            while self._worth_filling(self.busy_slots - 1) and self._loop.time() < deadline:
+            while not expired and self._worth_filling(self.busy_slots - 1):
                 self._arrived.clear()
                 await self._arrived.wait()
         finally:
@@ -145,6 +165,7 @@ class FixedStepsBatcher:
     def _release(self, slot, size: int, prefill_seconds: float) -> None:
         self._running.pop(slot.index, None)
         self._last_batch = (size, prefill_seconds)
+        self._released_at = self._loop.time()
         self._idle.append(slot)
         self._arrived.set()
 
