@@ -35,6 +35,7 @@ from datetime import datetime
 import bench_serving as bench
 import servers
 import sweep
+from cli import positive_ints
 
 DEFAULT_SERVER = "--scheduler fixed_steps --concurrent-execute-stream-num 2"
 LATENCY_TARGET = 1.10  # served median at concurrency 1 over the offline single request, at most
@@ -163,12 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model folder (default: the tiny random Qwen3, built once)")
     parser.add_argument("--server-args", default=DEFAULT_SERVER, help="server.py flags")
     parser.add_argument("--streams", type=int, default=2, help="offline slots: as many as the server has")
-    parser.add_argument("--concurrency", default="1,32,64", help="served points, comma-separated")
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 32, 64], help="served points, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--input-len", type=int, default=320)
     parser.add_argument("--output-len", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, help="per served point (default: max(400, 30 x concurrency))")
-    parser.add_argument("--batch-sizes", default="8,16,32", help="offline batch sizes; the best one is the ceiling")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[8, 16, 32],
+                        help="offline batch sizes; the best one is the ceiling")
     parser.add_argument("--seconds", type=float, default=3.0, help="offline time per batch size")
     parser.add_argument("--latency-runs", type=int, default=100, help="offline single-request runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -180,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     servers.interrupt_on_sigterm()
     try:
-        args.concurrency = sweep.parse_concurrencies(args.concurrency)
-        args.batch_sizes = sweep.parse_concurrencies(args.batch_sizes)
         args.model = servers.ensure_model(args.model)
         rows = run(args)
     except (CeilingError, sweep.SweepError, servers.ServerError, bench.BenchmarkError) as exc:

@@ -20,6 +20,7 @@ import sys
 import time
 
 import servers
+from cli import positive_ints
 
 import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
 from xllm_async.engine.sampling import argmax_rows
@@ -69,15 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=servers.DEFAULT_MODEL, help="model folder (default: the tiny Qwen3)")
     parser.add_argument("--devices", default="auto", help="as server.py: auto, cpu, cuda:N or npu:N")
     parser.add_argument("--dtype", default="auto", help="as server.py: auto, float32, bfloat16, float16")
-    parser.add_argument("--batch-sizes", default="1,32", help="comma-separated prompts per forward")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 32],
+                        help="comma-separated prompts per forward")
     parser.add_argument("--input-len", type=int, default=320, help="tokens per prompt")
     parser.add_argument("--runs", type=int, default=20, help="timed forwards per batch size")
     parser.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0: all cores)")
     args = parser.parse_args(argv)
     try:
-        sizes = [int(part) for part in args.batch_sizes.split(",")]
         model = servers.ensure_model(args.model)
-    except (ValueError, servers.ServerError) as exc:
+    except servers.ServerError as exc:
         print(f"forward_profile: {exc}", file=sys.stderr)
         return 1
     runner = ModelRunner(model, resolve_device(args.devices), args.dtype)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{binding.describe()}, {args.input_len} tokens a prompt")
         print(f"{'batch':>5} {'wall ms p50':>12} {'min':>7} {'kernels ms':>11} {'launches':>9} {'aten ops':>9}")
         tops = []
-        for size in sizes:
+        for size in args.batch_sizes:
             prompts = [[rng.randrange(1000, high) for _ in range(args.input_len)] for _ in range(size)]
             seconds = time_forwards(runner, prompts, args.runs)
             prof = profile_forward(runner, prompts)

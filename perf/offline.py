@@ -39,6 +39,7 @@ import bench_serving as bench
 import numpy as np
 import servers
 import sweep
+from cli import positive_ints
 
 import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
 from xllm_async.engine.batch import GenerationBatch
@@ -271,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", help="as server.py: auto, float32, bfloat16, float16")
     parser.add_argument("--input-len", type=int, default=sweep.DEFAULT_INPUT, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=sweep.DEFAULT_OUTPUT, help="output tokens per request")
-    parser.add_argument("--streams", type=positive_list, default=[1, 2], help="N slots, comma-separated")
-    parser.add_argument("--batch-sizes", type=positive_list, default=[1, 2, 4, 8, 16, 32],
+    parser.add_argument("--streams", type=positive_ints, default=[1, 2], help="N slots, comma-separated")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 2, 4, 8, 16, 32],
                         help="requests per batch, comma-separated")
     parser.add_argument("--seconds", type=float, default=2.0, help="time per (N, batch size) point")
     parser.add_argument("--batches", type=int, help="batches per point instead of --seconds")
@@ -280,16 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-file", help="append one JSON line per point")
     return parser
-
-
-def positive_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from datetime import datetime
 
 import bench_serving as bench
 import servers
+from cli import positive_ints
 
 DEFAULT_CONFIGS = (
     "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1",
@@ -90,17 +91,6 @@ def parse_configs(texts: list[str]) -> dict[str, list[str]]:
             raise SweepError(f"--config {name} is given twice")
         configs[name] = args
     return configs
-
-
-def parse_concurrencies(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]; each a positive integer, no repeats."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SweepError(f"--concurrency must be integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1 or len(set(values)) != len(values):
-        raise SweepError(f"--concurrency must be distinct positive integers, got {text!r}")
-    return values
 
 
 def prompts_for(concurrency: int, num_prompts: int | None) -> int:
@@ -333,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", metavar="NAME=ARGS",
                         help="a server configuration, repeatable (default: continuous-N1 and fixed_steps-N2)")
-    parser.add_argument("--concurrency", type=parse_concurrencies, default=[1, 2, 4, 8, 16, 32, 64],
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 2, 4, 8, 16, 32, 64],
                         help="comma-separated concurrencies (default: 1,2,4,8,16,32,64)")
     parser.add_argument("--rounds", type=int, default=1, help="sweeps of every configuration, interleaved")
     parser.add_argument("--model", default=servers.DEFAULT_MODEL,

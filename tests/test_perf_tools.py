@@ -4,6 +4,7 @@ exact counts of the batches, requests and tokens it ran."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib
 import math
@@ -25,6 +26,7 @@ def _import_perf_script(name: str):
 
 
 sweep = _import_perf_script("sweep")
+cli = _import_perf_script("cli")
 servers = _import_perf_script("servers")
 offline = _import_perf_script("offline")
 
@@ -53,11 +55,18 @@ def test_configs_keep_their_order_and_refuse_a_repeated_name():
         sweep.parse_configs(["a=--x", "a=--y"])
 
 
-def test_concurrencies_are_distinct_positive_integers():
-    assert sweep.parse_concurrencies("1,2,4, 64") == [1, 2, 4, 64]
+def test_integer_lists_are_distinct_positive_integers():
+    assert cli.positive_ints("1,2,4, 64") == [1, 2, 4, 64]
     for bad in ("", "1,x", "0,2", "2,2"):
-        with pytest.raises(sweep.SweepError):
-            sweep.parse_concurrencies(bad)
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.positive_ints(bad)
+
+
+def test_a_bad_list_on_the_command_line_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.build_parser().parse_args(["--concurrency", "0,2"])
+    assert exit_info.value.code == 2
+    assert "distinct positive integers" in capsys.readouterr().err
 
 
 def test_prompts_per_point_default_to_four_per_connection_and_at_least_100():

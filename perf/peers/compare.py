@@ -44,6 +44,7 @@ sys.path.insert(0, PERF_DIR)
 
 import bench_serving as bench  # noqa: E402
 import servers  # noqa: E402
+from cli import positive_ints  # noqa: E402
 
 RESULTS = os.path.join(PERF_DIR, "results")
 OUR_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -273,16 +274,6 @@ def format_table(summary: dict[tuple[str, int], dict[str, float]], names: list[s
 # --- command line ----------------------------------------------------------------------------
 
 
-def concurrency_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: a tiny random Qwen3, built once)")
@@ -291,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--random-output", type=int, default=1, help="output tokens")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
-    parser.add_argument("--concurrency", type=concurrency_list, default=[1, 2, 32], help="e.g. 1,2,32")
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 2, 32], help="e.g. 1,2,32")
     parser.add_argument("--rounds", type=int, default=2, help="each server started fresh once per round")
     parser.add_argument("--warmup-prompts", type=int, default=32, help="sent unmeasured after each start")
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="whole responses, no SSE")
