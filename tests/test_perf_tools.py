@@ -274,6 +274,18 @@ def test_offline_table_lists_throughput_points_then_latencies(runner, pool, one_
     assert len(lines) == 3 and lines[1].split()[:3] == ["1", "2", "1"] and "single request" in lines[2]
 
 
+forward_profile = _import_perf_script("forward_profile")
+
+
+def test_forward_profile_times_the_server_prefill_and_counts_its_operators(runner, pool):
+    seconds = forward_profile.time_forwards(runner, pool[:2], runs=3)
+    assert len(seconds) == 3 and min(seconds) > 0
+    prof = forward_profile.profile_forward(runner, pool[:2])
+    assert prof["operators"] > 50  # a transformer layer alone is dozens of aten calls
+    assert (prof["launches"], prof["device_ms"]) == (0, 0.0)  # CPU: no kernels to launch
+    assert len(prof["top_host"]) > 0 and all(ms >= 0 for _, _, ms in prof["top_host"])
+
+
 # --- ceiling: ratios and verdicts from recorded figures ---
 
 ceiling = _import_perf_script("ceiling")
