@@ -73,6 +73,39 @@ async def test_on_an_idle_server_the_wait_ends_a_prefill_after_the_last_batch(tw
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
 
 
+@pytest.fixture
+async def one_slot():
+    """A running batcher over one slot that never finishes on its own."""
+    slots = [HeldSlot(0)]
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
+                                asyncio.get_running_loop())
+    batcher.start()
+    yield batcher, slots
+    await batcher.stop()
+
+
+async def test_one_slot_at_concurrency_two_runs_batches_of_two_not_alternating_ones(one_slot):
+    batcher, slots = one_slot
+    batcher.add([request()])  # client A's request runs...
+    batcher.add([request()])  # ...while client B's waits
+    batcher._release(slots[0], 1, 10.0)  # A's answer goes out: A comes back, B is here
+    assert len(await started(batcher, slots)) == 1  # B does not start alone...
+    batcher.add([request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 2]  # ...but with A's next
+
+
+async def test_requests_answered_while_waiting_leave_the_queue_when_a_batch_ends(one_slot):
+    batcher, slots = one_slot
+    batcher.add([request(max_tokens=500)])
+    gone = [request(), request()]
+    batcher.add(gone)
+    assert batcher.num_waiting == 2
+    for req in gone:
+        req.done = req.aborted = True  # timed out or the client left
+    batcher._release(slots[0], 1, 10.0)
+    assert batcher.num_waiting == 0  # not counted against the queue limit while a batch fills
+
+
 async def test_a_lone_client_never_waits_after_its_own_batch(two_slots):
     batcher, slots = two_slots
     batcher.add([request()])

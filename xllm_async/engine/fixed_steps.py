@@ -43,6 +43,7 @@ class FixedStepsBatcher:
         self._arrived = asyncio.Event()  # a request arrived or a slot came free
         self._last_batch = (0, 0.0)  # (requests, prefill seconds) of the batch that finished last
         self._released_at = -math.inf  # loop time when it finished
+        self._waited_at_release = 0  # requests already waiting then
         self._running: dict[int, tuple[int, int]] = {}  # slot index -> (requests, steps) of its batch
         # Free slots, the most recently freed last: it is taken first, so that
         # at low load one thread (and its core's caches) does the work.
@@ -100,12 +101,16 @@ class FixedStepsBatcher:
 
     def _worth_filling(self, others_busy: int) -> bool:
         """Whether a batch about to start should wait for company (see _fill)."""
-        size = min(self._last_batch[0], self.budget.max_seqs)
-        if len(self.waiting) >= size:
+        if others_busy > 0:
+            expected = self._last_batch[0]
+        elif self._loop.time() - self._released_at < self._last_batch[1]:
+            # Every slot idle, the last batch finished less than its prefill ago: its clients are on
+            # their way back, and those that waited through it are here. With one slot at concurrency
+            # 2 this turns alternating batches of one into batches of two.
+            expected = self._last_batch[0] + self._waited_at_release
+        else:
             return False
-        # Another slot is busy, or the last batch finished less than its prefill ago: its clients
-        # are on their way back.
-        return others_busy > 0 or self._loop.time() - self._released_at < self._last_batch[1]
+        return len(self.waiting) < min(expected, self.budget.max_seqs)
 
     async def _fill(self) -> None:
         """Let a batch fill up before it starts, when that is likely to pay.
@@ -114,12 +119,14 @@ class FixedStepsBatcher:
         answers, so when a batch of k has just finished, about k requests are on
         their way; a slot that starts on the first of them runs a batch of one,
         and the next batches stay small. So, while another slot is still busy,
-        or while the last batch finished less than its prefill ago (with one
-        slot, its clients come back to an idle server: without the wait, batches
-        of one and of k-1 alternate), wait until as many requests wait as the
-        last finished batch held, or a slot comes free, but never longer than
-        that batch's prefill took: a request waits at most one prefill's time
-        for company. A lone request on a quiet server never waits: the last
+        wait until as many requests wait as the last finished batch held, or a
+        slot comes free. And while every slot is idle but the last batch
+        finished less than its prefill ago (with one slot, its clients come back
+        to an idle server: without the wait, batches of one and of k-1
+        alternate), wait for its k clients plus those that waited through it
+        (at concurrency 2: batches of two, not alternating ones). Never longer
+        than that batch's prefill took: a request waits at most one prefill's
+        time for company. A lone request on a quiet server never waits: the last
         batch held one, or finished long ago. Every wake-up is an arrival, a
         freed slot or that one deadline; nothing polls.
         """
@@ -166,8 +173,19 @@ class FixedStepsBatcher:
         self._running.pop(slot.index, None)
         self._last_batch = (size, prefill_seconds)
         self._released_at = self._loop.time()
+        self._waited_at_release = self._drop_aborted()
         self._idle.append(slot)
         self._arrived.set()
+
+    def _drop_aborted(self) -> int:
+        """Take requests that were answered while they waited (timed out, client gone) off the
+        queue now, not at the next take(): a batch may wait for company first, and meanwhile they
+        would count against the queue limit. Returns how many live requests wait."""
+        live = [req for req in self.waiting if not req.aborted]
+        if len(live) != len(self.waiting):
+            self.waiting.clear()
+            self.waiting.extend(live)
+        return len(live)
 
     def _run_to_completion(self, slot, requests: list[QueuedRequest]) -> None:
         """On the slot's thread: prefill, then decode rounds until every sequence is done."""
