@@ -125,6 +125,19 @@ async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots
     assert [len(b) for b in await started(batcher, slots)] == [1, 3]  # ...and leaves with it
 
 
+async def test_a_fill_beside_a_busy_slot_ends_when_that_slot_comes_free(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request(max_tokens=500)])
+    await started(batcher, slots)
+    batcher._last_batch = (3, 10.0)
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1  # waiting for company beside the busy slot...
+    batcher._release(slots[0], 5, 10.0)
+    # ...until that slot frees: then it starts, rather than both slots waiting for the freed
+    # batch's clients.
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]
+
+
 async def test_the_wait_never_exceeds_the_last_prefill(two_slots):
     batcher, slots = two_slots
     batcher.add([request()])

@@ -131,10 +131,11 @@ class FixedStepsBatcher:
         freed slot or that one deadline; nothing polls.
         """
         # The slot in hand counts as busy; "another slot" is any beyond it.
-        if not self._worth_filling(self.busy_slots - 1):
+        others_busy = self.busy_slots - 1
+        if not self._worth_filling(others_busy):
             return
         # With every other slot idle, the wait is for the last batch's clients: a prefill from its end.
-        start = self._loop.time() if self.busy_slots > 1 else self._released_at
+        start = self._loop.time() if others_busy else self._released_at
         expired = False
 
         def expire() -> None:
@@ -147,11 +148,18 @@ class FixedStepsBatcher:
 
         timer = self._loop.call_at(start + self._last_batch[1], expire)
         try:
-            while not expired and self._worth_filling(self.busy_slots - 1):
+            while not expired and self._still_worth_filling(others_busy):
                 self._arrived.clear()
                 await self._arrived.wait()
         finally:
             timer.cancel()
+
+    def _still_worth_filling(self, others_busy_at_start: int) -> bool:
+        if others_busy_at_start:
+            # Began beside a busy slot: it ends when a slot comes free. The freed slot is idle too
+            # now, and starting beats both slots waiting.
+            return self.busy_slots > 1 and self._worth_filling(self.busy_slots - 1)
+        return self._worth_filling(0)  # began on an idle server (and only this coroutine starts batches)
 
     def _fair_share(self) -> int:
         """At most this many requests for the new batch (0: no limit).
