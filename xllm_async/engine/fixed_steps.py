@@ -24,7 +24,8 @@ class FixedStepsBatcher:
     """A coroutine on the event loop that forms batches and hands them to free slots.
 
     It sleeps until a request arrives (never polls), waits for a free slot,
-    lets the batch fill while another slot is busy (_fill), only then takes
+    lets the batch fill while another slot is busy or the last batch's
+    clients are on their way back (_fill), only then takes
     the batch (its fair share while others run short batches: _fair_share),
     hands it over and goes straight back to forming the next. When a slot is
     free and there is nothing to wait for, add() starts the batch itself. The
