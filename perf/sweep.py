@@ -143,7 +143,8 @@ class CsvLog:
 async def sweep_server(base_url: str, prompts: list, tokenizer, args: argparse.Namespace,
                        record: Callable[[int, dict], None]) -> None:
     """Warm the server up, then measure every concurrency in order, handing each (concurrency,
-    metrics) to record as soon as it is measured."""
+    metrics, with each prompt's answer) to record as soon as it is measured; record adds
+    "outputs_differ"."""
     model = (await bench.fetch_model_info(base_url))["id"]
     common = {"tokenizer": tokenizer, "model": model, "stream": args.stream, "seed": args.seed}
     top = max(args.concurrency)
@@ -155,7 +156,6 @@ async def sweep_server(base_url: str, prompts: list, tokenizer, args: argparse.N
         count = prompts_for(concurrency, args.num_prompts)
         metrics = await bench.benchmark(base_url, prompts[:count], max_concurrency=concurrency,
                                         warmup_requests=1, keep_texts=True, **common)
-        metrics["outputs_differ"] = args.output_check.differences(concurrency, metrics.pop("generated_texts"))
         record(concurrency, metrics)
         print(f"  concurrency {concurrency:>4}: {metrics['request_throughput']:8.2f} req/s, "
               f"median E2E {metrics['median_e2e_latency_ms']:8.1f} ms, failed {metrics['failed']}, "
@@ -172,12 +172,13 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
     most = max(max(prompts_for(c, args.num_prompts) for c in args.concurrency), args.warmup_prompts)
     prompts = bench.make_random_prompts(tokenizer, most, args.random_input, args.random_output, seed=args.seed)
     rows = []
-    args.output_check = OutputCheck()
+    answers = OutputCheck()
     for round_index in range(1, args.rounds + 1):
         for name, server_args in configs.items():
             print(f"round {round_index}/{args.rounds}: {name} ({shlex.join(server_args)})", flush=True)
 
             def record(concurrency: int, metrics: dict, name: str = name, round_index: int = round_index) -> None:
+                metrics["outputs_differ"] = answers.differences(concurrency, metrics.pop("generated_texts"))
                 rows.append(make_row(name, concurrency, round_index, metrics))
                 csv_log.add(rows[-1])
 

@@ -6,6 +6,7 @@ the requests while the other slots run short batches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -35,15 +36,23 @@ async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[lis
     return [b for s in slots for b in s.batches]
 
 
+@contextlib.asynccontextmanager
+async def running_batcher(num_slots: int, loop=None):
+    """A running batcher over slots that never finish on their own: (batcher, slots)."""
+    slots = [HeldSlot(i) for i in range(num_slots)]
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
+                                loop or asyncio.get_running_loop())
+    batcher.start()
+    try:
+        yield batcher, slots
+    finally:
+        await batcher.stop()
+
+
 @pytest.fixture
 async def two_slots():
-    """A running batcher over two slots that never finish on their own."""
-    slots = [HeldSlot(0), HeldSlot(1)]
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                asyncio.get_running_loop())
-    batcher.start()
-    yield batcher, slots
-    await batcher.stop()
+    async with running_batcher(2) as running:
+        yield running
 
 
 async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
@@ -75,13 +84,8 @@ async def test_on_an_idle_server_the_wait_ends_a_prefill_after_the_last_batch(tw
 
 @pytest.fixture
 async def one_slot():
-    """A running batcher over one slot that never finishes on its own."""
-    slots = [HeldSlot(0)]
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                asyncio.get_running_loop())
-    batcher.start()
-    yield batcher, slots
-    await batcher.stop()
+    async with running_batcher(1) as running:
+        yield running
 
 
 async def test_one_slot_at_concurrency_two_runs_batches_of_two_not_alternating_ones(one_slot):
@@ -198,15 +202,9 @@ class LaggingClock:
 
 
 async def test_a_wait_ends_when_its_timer_fires_whatever_the_clock_reads():
-    slots = [HeldSlot(0)]
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                LaggingClock(asyncio.get_running_loop()))
-    batcher.start()
-    try:
+    async with running_batcher(1, LaggingClock(asyncio.get_running_loop())) as (batcher, slots):
         batcher.add([request()])
         batcher._release(slots[0], 16, 0.02)  # 16 clients coming back: the next request waits for them
         batcher.add([request()])
         await asyncio.sleep(0.1)
         assert [len(b) for b in slots[0].batches] == [1, 1]  # it went alone when the timer fired
-    finally:
-        await batcher.stop()
