@@ -27,8 +27,14 @@ class HeldSlot:
         self.batches.append(job.args[1])  # functools.partial(_run_to_completion, slot, batch)
 
 
-def request(max_tokens: int = 1) -> EngineRequest:
-    return EngineRequest(0, [1, 2, 3], SamplingParams(max_tokens=max_tokens), sink=None)
+def request(max_tokens: int = 1, prompt_len: int = 3) -> EngineRequest:
+    return EngineRequest(0, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), sink=None)
+
+
+def finished_elsewhere(batcher: FixedStepsBatcher, size: int, prefill_seconds: float) -> None:
+    """As if a batch of `size` had just finished on a slot outside the test: its clients are on their way."""
+    batcher._last_batch = (size, prefill_seconds)
+    batcher._returning = size
 
 
 async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
@@ -122,7 +128,7 @@ async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots
     batcher, slots = two_slots
     batcher.add([request(max_tokens=500)])  # long: no fair-share limit applies against it
     await started(batcher, slots)  # slot 0 is now busy for good
-    batcher._last_batch = (3, 10.0)
+    finished_elsewhere(batcher, 3, 10.0)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # the lone request waits for company...
     batcher.add([request(), request()])
@@ -133,7 +139,7 @@ async def test_a_fill_beside_a_busy_slot_ends_when_that_slot_comes_free(two_slot
     batcher, slots = two_slots
     batcher.add([request(max_tokens=500)])
     await started(batcher, slots)
-    batcher._last_batch = (3, 10.0)
+    finished_elsewhere(batcher, 3, 10.0)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # waiting for company beside the busy slot...
     batcher._release(slots[0], 5, 10.0)
@@ -142,11 +148,24 @@ async def test_a_fill_beside_a_busy_slot_ends_when_that_slot_comes_free(two_slot
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
 
 
+async def test_once_every_answered_client_is_back_a_freed_slot_waits_no_more(two_slots):
+    batcher, slots = two_slots
+    batcher.add([request(prompt_len=320) for _ in range(16)])
+    batcher.add([request(prompt_len=320) for _ in range(16)])
+    batcher._release(slots[0], 16, 10.0)  # both batches end at once: 32 clients on their way back
+    batcher._release(slots[1], 16, 10.0)
+    batcher.add([request(prompt_len=320) for _ in range(32)])  # all back together
+    # The token budget (8192) lets one slot take 25; the other slot starts on the other 7 at
+    # once: nobody else is coming, so waiting for company would idle it for a whole prefill.
+    await started(batcher, slots)
+    assert [[len(b) for b in s.batches] for s in slots] == [[16, 7], [16, 25]]
+
+
 async def test_the_wait_never_exceeds_the_last_prefill(two_slots):
     batcher, slots = two_slots
     batcher.add([request()])
     await started(batcher, slots)
-    batcher._last_batch = (16, 0.05)
+    finished_elsewhere(batcher, 16, 0.05)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1
     await asyncio.sleep(0.08)

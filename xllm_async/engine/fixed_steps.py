@@ -45,6 +45,9 @@ class FixedStepsBatcher:
         self._last_batch = (0, 0.0)  # (requests, prefill seconds) of the batch that finished last
         self._released_at = -math.inf  # loop time when it finished
         self._waited_at_release = 0  # requests already waiting then
+        # Clients answered by finished batches whose next requests have not arrived yet (a
+        # closed-loop estimate: every arrival counts as one of them coming back).
+        self._returning = 0
         self._running: dict[int, tuple[int, int]] = {}  # slot index -> (requests, steps) of its batch
         # Free slots, the most recently freed last: it is taken first, so that
         # at low load one thread (and its core's caches) does the work.
@@ -66,6 +69,7 @@ class FixedStepsBatcher:
 
     def add(self, requests: list[QueuedRequest]) -> None:
         self.waiting.extend(requests)
+        self._returning = max(0, self._returning - len(requests))
         # A free slot with nothing worth waiting for starts the batch right here,
         # not one loop iteration later in _run: that hop is tens of microseconds
         # on a lone request's latency.
@@ -102,6 +106,10 @@ class FixedStepsBatcher:
 
     def _worth_filling(self, others_busy: int) -> bool:
         """Whether a batch about to start should wait for company (see _fill)."""
+        if not self._returning:
+            # Every answered client is back already (another slot may have taken them): waiting
+            # could only end at the timer or a freed slot, with the cores idle meanwhile.
+            return False
         if others_busy > 0:
             expected = self._last_batch[0]
         elif self._loop.time() - self._released_at < self._last_batch[1]:
@@ -127,7 +135,11 @@ class FixedStepsBatcher:
         alternate), wait for its k clients plus those that waited through it
         (at concurrency 2: batches of two, not alternating ones). Never longer
         than that batch's prefill took: a request waits at most one prefill's
-        time for company. A lone request on a quiet server never waits: the last
+        time for company. And never once as many requests have arrived as the
+        finished batches answered: when two batches end together, their clients
+        come back together, one slot takes all its budget allows, and the rest
+        start on the other slot at once rather than wait for clients who are
+        already here. A lone request on a quiet server never waits: the last
         batch held one, or finished long ago. Every wake-up is an arrival, a
         freed slot or that one deadline; nothing polls.
         """
@@ -181,6 +193,7 @@ class FixedStepsBatcher:
     def _release(self, slot, size: int, prefill_seconds: float) -> None:
         self._running.pop(slot.index, None)
         self._last_batch = (size, prefill_seconds)
+        self._returning += size
         self._released_at = self._loop.time()
         self._waited_at_release = self._drop_aborted()
         self._idle.append(slot)
