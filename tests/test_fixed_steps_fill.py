@@ -9,11 +9,13 @@ import asyncio
 import contextlib
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from xllm_async.engine.budget import BatchBudget
 from xllm_async.engine.fixed_steps import FixedStepsBatcher
 from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
+from xllm_async.metrics import Metrics
 
 
 class HeldSlot:
@@ -43,11 +45,11 @@ async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[lis
 
 
 @contextlib.asynccontextmanager
-async def running_batcher(num_slots: int, loop=None):
+async def running_batcher(num_slots: int, loop=None, metrics=None):
     """A running batcher over slots that never finish on their own: (batcher, slots)."""
     slots = [HeldSlot(i) for i in range(num_slots)]
     batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                loop or asyncio.get_running_loop())
+                                loop or asyncio.get_running_loop(), metrics)
     batcher.start()
     try:
         yield batcher, slots
@@ -159,6 +161,22 @@ async def test_once_every_answered_client_is_back_a_freed_slot_waits_no_more(two
     # once: nobody else is coming, so waiting for company would idle it for a whole prefill.
     await started(batcher, slots)
     assert [[len(b) for b in s.batches] for s in slots] == [[16, 7], [16, 25]]
+
+
+async def test_a_batch_that_waited_for_company_is_counted_with_its_wait():
+    metrics = Metrics()
+    async with running_batcher(2, metrics=metrics) as (batcher, slots):
+        batcher.add([request()])  # a quiet server: starts at once, no wait
+        finished_elsewhere(batcher, 2, 10.0)
+        batcher.add([request()])  # beside the busy slot: waits for the other client
+        await asyncio.sleep(0.02)
+        batcher.add([request()])
+        await started(batcher, slots)
+    assert [len(b) for s in slots for b in s.batches] == [1, 2]
+    fill = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode())
+            if f.name == "xllm:batch_fill_wait_seconds" for s in f.samples}
+    assert fill["xllm:batch_fill_wait_seconds_count"] == 1
+    assert 0.015 < fill["xllm:batch_fill_wait_seconds_sum"] < 1.0
 
 
 async def test_the_wait_never_exceeds_the_last_prefill(two_slots):

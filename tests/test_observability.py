@@ -48,6 +48,7 @@ def test_metrics_parse_and_count_requests(server):
                  "xllm:batch_decode_time_seconds", "xllm:batch_size"):
         assert after[name].type == "histogram"
         assert sample_value(after, name, name + "_count") > 0
+    assert after["xllm:batch_fill_wait_seconds"].type == "histogram"  # batches that waited: maybe none here
     assert after["xllm:num_requests_waiting"].type == "gauge"
     assert sample_value(after, "xllm:num_requests_running", "xllm:num_requests_running") == 0
     assert sample_value(after, "xllm:model_load_seconds", "xllm:model_load_seconds") > 0

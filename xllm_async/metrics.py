@@ -129,6 +129,8 @@ class Metrics:
         self.prefill = Histogram("batch_prefill_time_seconds", "Prefill forward time of one batch.")
         self.decode = Histogram("batch_decode_time_seconds", "Decode step time of one batch.")
         self.batch_size = Histogram("batch_size", "Sequences in one prefill batch.", SIZE_BUCKETS)
+        self.fill = Histogram("batch_fill_wait_seconds",
+                              "Time a free slot held a batch back for company (fixed_steps; only batches that waited).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.finished = Counter("request_success_total", "Sequences finished, by reason.", ("finished_reason",))
@@ -158,6 +160,6 @@ class Metrics:
     def render(self) -> bytes:
         lines: list[str] = []
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prefill, self.decode, self.batch_size,
-                       self.prompt_tokens, self.generation_tokens, self.finished, self.http, *self._extra):
+                       self.fill, self.prompt_tokens, self.generation_tokens, self.finished, self.http, *self._extra):
             lines.extend(metric.render())
         return ("\n".join(lines) + "\n").encode()

@@ -160,12 +160,15 @@ class FixedStepsBatcher:
             self._arrived.set()
 
         timer = self._loop.call_at(start + self._last_batch[1], expire)
+        began = time.perf_counter()
         try:
             while not expired and self._still_worth_filling(others_busy):
                 self._arrived.clear()
                 await self._arrived.wait()
         finally:
             timer.cancel()
+            if self.metrics is not None:
+                self.metrics.fill.observe(time.perf_counter() - began)
 
     def _still_worth_filling(self, others_busy_at_start: int) -> bool:
         if others_busy_at_start:
