@@ -218,6 +218,28 @@ def throughput_ratios(summary: dict[tuple[str, int], dict[str, float]], configs:
     return ratios
 
 
+def round_ratios(rows: list[dict], configs: list[str]) -> dict[tuple[str, int], list[float]]:
+    """(config, concurrency) -> its req/s over the first config's in the same round, round by round.
+
+    The runs of one round are minutes apart, the rounds further: so these pair runs that shared
+    the machine's mood, and their spread shows how far one run's ratio can be trusted."""
+    base = {(row["concurrency"], row["round"]): row["req_per_s"] for row in rows if row["config"] == configs[0]}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        reference = base.get((row["concurrency"], row["round"]))
+        if row["config"] != configs[0] and reference:
+            ratios.setdefault((row["config"], row["concurrency"]), []).append(row["req_per_s"] / reference)
+    return ratios
+
+
+def format_round_ratios(ratios: dict[tuple[str, int], list[float]]) -> str:
+    """One line per (config, concurrency): the median per-round ratio and its range ('' with one round)."""
+    lines = [f"  {config} at {concurrency}: median {statistics.median(values):.2f}, "
+             f"rounds {min(values):.2f}-{max(values):.2f}"
+             for (config, concurrency), values in ratios.items() if len(values) > 1]
+    return "\n".join(["per-round ratios (each round's runs against each other):", *lines]) if lines else ""
+
+
 def format_summary(summary: dict[tuple[str, int], dict[str, float]], configs: list[str],
                    concurrencies: list[int]) -> str:
     """The medians as a table: one line per (config, concurrency)."""
@@ -307,6 +329,8 @@ def report(rows: list[dict], configs: list[str], concurrencies: list[int], out_d
     print(format_summary(summary, configs, concurrencies))
     print()
     print(format_ratios(throughput_ratios(summary, configs, concurrencies), configs))
+    if per_round := format_round_ratios(round_ratios(rows, configs)):
+        print(per_round)
     print()
     print(format_output_check(rows))
     try:

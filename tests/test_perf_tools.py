@@ -144,6 +144,16 @@ def test_summary_and_ratio_tables_name_every_point():
     assert "3.00" in ratios and "nan" in ratios
 
 
+def test_per_round_ratios_pair_each_run_with_the_baselines_run_of_its_round():
+    rows = hand_made_rows()
+    rows[-1]["req_per_s"] = 36.0  # B at 1, round 3: 36 against A's 9 in that round
+    ratios = sweep.round_ratios(rows, ["A", "B"])
+    assert ratios == {("B", 1): [pytest.approx(3.0), pytest.approx(3.0), pytest.approx(4.0)]}
+    text = sweep.format_round_ratios(ratios)
+    assert "B at 1: median 3.00, rounds 3.00-4.00" in text
+    assert sweep.format_round_ratios(sweep.round_ratios(rows[:3], ["A", "B"])) == ""  # one round: nothing
+
+
 def test_plots_are_written_as_non_empty_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     paths = sweep.plot(sweep.medians(hand_made_rows()), ["A", "B"], [1, 4], str(tmp_path))
