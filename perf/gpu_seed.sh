@@ -3,7 +3,7 @@
 # one go: the offline engine's figures, where one forward's time goes (host or kernels), then
 # continuous N=1, fixed_steps N=1 and fixed_steps N=2 (two CUDA streams, one copy of the weights)
 # at concurrency 2 and 32, interleaved rounds, each answer compared across runs; then 16 tokens
-# out (prefill and decode rounds) on continuous N=1 and fixed_steps N=2, answers compared too.
+# out (prefill and decode rounds) on continuous N=1 and fixed_steps N=1 and N=2, answers compared too.
 # perf/RESULTS.md's GPU section comes from this script.
 #
 #     bash perf/gpu_seed.sh OUT_DIR                                  # on a CUDA machine
@@ -66,10 +66,14 @@ print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
         --config "fixed_steps-N1=--scheduler fixed_steps --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
 
-    # More than one token out, through prefill and decode rounds on two streams.
-    want decode && run 120 "$PY" perf/sweep.py --model "$MODEL" --concurrency 8 --random-input 320 \
+    # More than one token out, through prefill and decode rounds on two streams. fixed_steps N=1
+    # is the control: it forms batches the same way on one stream. If its answers differ from
+    # continuous's as often as N=2's do, batch shapes (bf16 rounding) explain it; if only N=2's
+    # differ, suspect the streams.
+    want decode && run 180 "$PY" perf/sweep.py --model "$MODEL" --concurrency 8 --random-input 320 \
         --random-output 16 --num-prompts 48 --rounds 1 --out-dir "$WORK/decode" \
         --config "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1 $SERVER" \
+        --config "fixed_steps-N1=--scheduler fixed_steps --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
     date -u
 } 2>&1 | tee "$OUT_DIR/log.txt"
