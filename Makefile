@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test model lint clean bench seed sweep offline ceiling soak peers profile
+.PHONY: install serve test model lint clean bench seed sweep offline ceiling soak peers profile trace
 
 install: $(STAMP) model
 
@@ -63,6 +63,10 @@ soak: install
 profile: install
 	$(PIP) install -q py-spy
 	$(PY) perf/profile_server.py $(PROFILE_ARGS)
+
+# Where a request's time goes at concurrency 1, wake-ups apart from work (Linux perf tracepoints; root).
+trace: install
+	$(PY) perf/trace_c1.py $(TRACE_ARGS)
 
 # LitServe and a naive FastAPI server on the same workload; their packages go in perf/peers/.venv only.
 peers: install

@@ -352,3 +352,45 @@ def test_profile_shares_slot_cpu_over_busy_samples_and_leaves_the_loop_rest_to_c
     assert seconds["parse"] == pytest.approx(0.1) and seconds["respond"] == pytest.approx(0.05)
     assert seconds["loop"] == pytest.approx(0.35)  # the loop thread's CPU beyond its Python samples
     assert "idle" not in seconds
+
+
+# --- trace_c1: a request's stretches from tracepoints ---
+
+trace_c1 = _import_perf_script("trace_c1")
+
+# One request as `perf script -F tid,time,event,trace` prints it: client 30, loop 10, slot 11.
+ONE_REQUEST = """
+   30 100.000100: syscalls:sys_enter_write: fd: 0x0000000f, buf: 0x1, count: 0x00000a25
+   10 100.000140:  syscalls:sys_exit_epoll_pwait: 0x1
+   10 100.000150:  syscalls:sys_exit_epoll_pwait: 0x0
+   10 100.000260:             sched:sched_waking: comm=python pid=11 prio=125 target_cpu=000
+   10 100.000265:        syscalls:sys_exit_futex: 0x1
+   11 100.000310:        syscalls:sys_exit_futex: 0x0
+   11 100.004310:       syscalls:sys_enter_write: fd: 0x00000009, buf: 0x2, count: 0x00000008
+   11 100.004320:       syscalls:sys_enter_write: fd: 0x00000009, buf: 0x2, count: 0x00000008
+   10 100.004370:  syscalls:sys_exit_epoll_pwait: 0x1
+   10 100.004430:       syscalls:sys_enter_write: fd: 0x00000010, buf: 0x3, count: 0x00000231
+   10 100.004440:             sched:sched_waking: comm=python pid=30 prio=120 target_cpu=001
+   30 100.004480:  syscalls:sys_exit_epoll_pwait: 0x1
+"""
+
+
+def test_a_traced_request_splits_into_its_wake_ups_and_its_work():
+    events = trace_c1.parse_events(ONE_REQUEST)
+    found = trace_c1.split_requests(events, loop=10, server_threads={10, 11}, client=30)
+    micros = {name: round(values[0] * 1e6) for name, values in found.items()}
+    assert micros == {"client -> loop wake-up": 40, "loop: request to slot": 120, "loop -> slot wake-up": 50,
+                      "slot: prefill": 4000, "slot -> loop wake-up": 60, "loop: tokens to response": 60,
+                      "loop -> client wake-up": 50}
+    assert "beyond the prefill: 380.0 us" in trace_c1.format_table(found)
+
+
+def test_a_request_the_trace_cut_short_is_left_out():
+    # The trace starts after the client's write: the first request has no start and is not counted.
+    events = trace_c1.parse_events(ONE_REQUEST.split("\n", 2)[2] + ONE_REQUEST)
+    found = trace_c1.split_requests(events, loop=10, server_threads={10, 11}, client=30)
+    assert {len(values) for values in found.values()} == {1}
+    # A slot that is not one of the server's threads is not taken for one.
+    found = trace_c1.split_requests(trace_c1.parse_events(ONE_REQUEST), loop=10, server_threads={10}, client=30)
+    assert all(not values for values in found.values())
+    assert trace_c1.format_table(found).startswith("no complete request")

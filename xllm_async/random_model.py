@@ -15,6 +15,9 @@ import shutil
 SIZES = {
     # name: (hidden, layers, heads, kv_heads, head_dim, intermediate)
     "tiny": (64, 2, 4, 2, 16, 128),
+    # A forward of about a millisecond here (the LM head is most of it): what a served request costs
+    # beyond the forward shows against it (perf/trace_c1.py).
+    "nano": (8, 1, 1, 1, 8, 16),
     "small": (256, 4, 8, 4, 32, 768),
     # Qwen3-0.6B's own config: its heads are 128 wide, so attention is 2048 wide over a 1024 hidden.
     "0.6b": (1024, 28, 16, 8, 128, 3072),
