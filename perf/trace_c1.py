@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(trace(args))
-    except (servers.ServerError, subprocess.CalledProcessError, FileNotFoundError) as exc:
+    except subprocess.CalledProcessError as exc:  # perf itself: missing rights, or no tracepoints
+        print(f"trace_c1: {' '.join(exc.cmd[:2])} failed: {(exc.stderr or b'').strip()[-500:]!r}", file=sys.stderr)
+        return 1
+    except (servers.ServerError, OSError) as exc:  # OSError: no perf, or the server went away
         print(f"trace_c1: {exc}", file=sys.stderr)
         return 1
     return 0
