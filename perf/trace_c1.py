@@ -41,9 +41,10 @@ SEGMENTS = ("client -> loop wake-up", "loop: request to slot", "loop -> slot wak
 WARMUP_REQUESTS = 300  # answered before the trace starts
 _LINE = re.compile(r"\s*(\d+)\s+([\d.]+):\s+(\S+):\s*(.*)")
 _WOKEN = re.compile(r"pid=(\d+)")
+Event = tuple[int, float, str, str]  # thread id, seconds, tracepoint, its details
 
 
-def parse_events(text: str) -> list[tuple[int, float, str, str]]:
+def parse_events(text: str) -> list[Event]:
     """`perf script -F tid,time,event,trace` lines -> (tid, seconds, event, details)."""
     events = []
     for line in text.splitlines():
@@ -53,7 +54,7 @@ def parse_events(text: str) -> list[tuple[int, float, str, str]]:
     return events
 
 
-def split_requests(events, loop: int, server_threads: set[int], client: int) -> dict[str, list[float]]:
+def split_requests(events: list[Event], loop: int, server_threads: set[int], client: int) -> dict[str, list[float]]:
     """Each complete request's seven stretches in seconds, by name (SEGMENTS).
 
     A request starts at the client's write and ends when the client's epoll returns after the
