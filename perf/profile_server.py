@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import servers
 
@@ -125,11 +124,7 @@ def stage_seconds(table: dict[str, dict[str, int]], cpu: dict[str, float], rate:
 
 
 def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
+    return servers.scrape_metrics(port).get(name, 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

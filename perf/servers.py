@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,6 +109,18 @@ def running_server(command: list[str], log_path: str, name: str = "server",
             raise server_error(f"{name} exited with {code} while in use", log_path)
     finally:
         stop_server(proc, own_group)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The server's unlabelled /metrics values by name: counters, gauges, histogram sums and counts."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 def free_port() -> int:

@@ -24,7 +24,6 @@ import json
 import random
 import sys
 import time
-import urllib.request
 
 import servers
 
@@ -142,22 +141,11 @@ async def load(port: int, bodies: list[dict], references: list[str], total: int,
     return counts
 
 
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 async def settle(port: int, timeout: float = 30.0) -> dict[str, float]:
     """Wait until the server is idle again (or the timeout) and return its counters."""
     deadline = time.monotonic() + timeout
     while True:
-        values = scrape(port)
+        values = servers.scrape_metrics(port)
         idle = (values["xllm:num_requests_waiting"] == 0 and values["xllm:num_requests_running"] == 0
                 and values["xllm:slots_busy"] == 0 and values["xllm:http_connections_open"] <= 1)
         if idle or time.monotonic() > deadline:

@@ -22,7 +22,6 @@ is added to the path being measured beyond the tracepoints themselves.
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import re
 import shlex
@@ -92,17 +91,14 @@ def split_requests(events: list[Event], loop: int, server_threads: set[int], cli
 
 def format_table(found: dict[str, list[float]]) -> str:
     count = min(len(v) for v in found.values())
+    if not count:
+        return "no complete request in the trace (0)"
+    medians = {name: statistics.median(found[name]) * 1e6 for name in SEGMENTS}
     lines = [f"{count} requests traced; medians in microseconds", f"{'stretch':28s} {'median':>9s} {'mean':>9s}"]
-    total = 0.0
-    for name in SEGMENTS:
-        values = found[name]
-        if not values:
-            return f"no complete request in the trace ({count})"
-        median = statistics.median(values) * 1e6
-        total += median
-        lines.append(f"{name:28s} {median:9.1f} {statistics.mean(values) * 1e6:9.1f}")
-    prefill = statistics.median(found["slot: prefill"]) * 1e6
-    wakes = sum(statistics.median(found[n]) * 1e6 for n in SEGMENTS if "wake-up" in n)
+    lines += [f"{name:28s} {medians[name]:9.1f} {statistics.mean(found[name]) * 1e6:9.1f}" for name in SEGMENTS]
+    total = sum(medians.values())
+    prefill = medians["slot: prefill"]
+    wakes = sum(medians[name] for name in SEGMENTS if "wake-up" in name)
     lines.append(f"{'sum of medians':28s} {total:9.1f}")
     lines.append(f"beyond the prefill: {total - prefill:.1f} us ({(total - prefill) / prefill:.1%} of it), "
                  f"of which wake-ups {wakes:.1f} us")
@@ -112,21 +108,10 @@ def format_table(found: dict[str, list[float]]) -> str:
 def wait_for_answers(port: int, client: subprocess.Popen, count: int) -> None:
     """Returns once the server has answered `count` generation requests (the client builds its prompts
     first, which takes a while, and the first requests warm up); raises if the client stops first."""
-    while answered(port) < count:
+    while servers.scrape_metrics(port).get("xllm:e2e_request_latency_seconds_count", 0.0) < count:
         if client.poll() is not None:
             raise servers.ServerError(f"the client exited with {client.returncode} before the trace")
         time.sleep(0.2)
-
-
-def answered(port: int) -> float:
-    conn = http.client.HTTPConnection(servers.HOST, port, timeout=5)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("xllm:request_success_total"))
 
 
 def threads_of(pid: int) -> set[int]:
