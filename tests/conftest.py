@@ -56,8 +56,8 @@ def free_port() -> int:
 class ServerProcess:
     """server.py in a subprocess on a free loopback port."""
 
-    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180) -> None:
-        self.port = free_port()
+    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180, port: int | None = None) -> None:
+        self.port = port or free_port()  # a given port: a replica restarted where its balancer expects it
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"xllm-test-{self.port}.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the server's whole life)
         self.proc = subprocess.Popen(
