@@ -14,6 +14,8 @@ import pytest
 
 import xllm_async  # noqa: F401  (torch_npu autoload switch before torch)
 
+from .hold import Hold
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONTEXT = 256
 
@@ -60,9 +62,11 @@ class ServerProcess:
         self.port = port or free_port()  # a given port: a replica restarted where its balancer expects it
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"xllm-test-{self.port}.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the server's whole life)
+        self.hold = Hold()  # tests hold its forwards through this, never through timing
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "server.py"), "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT,
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.hold.env, **(env or {})},
+            cwd=ROOT,
         )
         self._wait_ready(timeout)
 
@@ -93,6 +97,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+        self.hold.remove()
 
 
 CONFIGS = {

@@ -40,19 +40,55 @@ def finished_elsewhere(batcher: FixedStepsBatcher, size: int, prefill_seconds: f
 
 
 async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
-    await asyncio.sleep(0.01)  # let the batcher coroutine run
+    for _ in range(20):  # loop iterations, not time: the batcher coroutine runs whatever is due
+        await asyncio.sleep(0)
     return [b for s in slots for b in s.batches]
 
 
+class ManualClock:
+    """The running loop, but with a clock that moves only when the test says (advance): the
+    batcher's timers fire then, and never because the machine was slow. `lag` makes time()
+    read that much behind the clock the timers use, as uvloop's millisecond clock can."""
+
+    def __init__(self, loop, lag: float = 0.0) -> None:
+        self._loop = loop
+        self._now = 1000.0
+        self._lag = lag
+        self._timers: list[asyncio.TimerHandle] = []
+
+    def time(self) -> float:
+        return self._now - self._lag
+
+    def call_at(self, when: float, callback, *args) -> asyncio.TimerHandle:
+        timer = asyncio.TimerHandle(when, callback, args, self._loop)
+        self._timers.append(timer)
+        return timer
+
+    def call_later(self, delay: float, callback, *args) -> asyncio.TimerHandle:
+        return self.call_at(self._now + delay, callback, *args)
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+        due = sorted((t for t in self._timers if t.when() <= self._now and not t.cancelled()),
+                     key=lambda t: t.when())
+        self._timers = [t for t in self._timers if t not in due and not t.cancelled()]
+        for timer in due:
+            timer._run()
+
+    def __getattr__(self, name):
+        return getattr(self._loop, name)
+
+
 @contextlib.asynccontextmanager
-async def running_batcher(num_slots: int, loop=None, metrics=None):
-    """A running batcher over slots that never finish on their own: (batcher, slots)."""
+async def running_batcher(num_slots: int, lag: float = 0.0, metrics=None):
+    """A running batcher over slots that never finish on their own, on a manual clock:
+    (batcher, slots, clock)."""
     slots = [HeldSlot(i) for i in range(num_slots)]
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None,
-                                loop or asyncio.get_running_loop(), metrics)
+    clock = ManualClock(asyncio.get_running_loop(), lag)
+    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None, clock, metrics)
     batcher.start()
     try:
-        yield batcher, slots
+        yield batcher, slots, clock
     finally:
         await batcher.stop()
 
@@ -64,14 +100,14 @@ async def two_slots():
 
 
 async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill, long ago
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1]
 
 
 async def test_on_an_idle_server_the_last_batchs_clients_are_waited_for(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request()])
     batcher._release(slots[0], 3, 10.0)  # a batch of 3 just finished: every slot idle now
     batcher.add([request()])
@@ -81,12 +117,14 @@ async def test_on_an_idle_server_the_last_batchs_clients_are_waited_for(two_slot
 
 
 async def test_on_an_idle_server_the_wait_ends_a_prefill_after_the_last_batch(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request()])
     batcher._release(slots[0], 16, 0.05)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1
-    await asyncio.sleep(0.08)
+    clock.advance(0.04)
+    assert len(await started(batcher, slots)) == 1  # still waiting 40 ms on
+    clock.advance(0.02)
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
 
 
@@ -97,7 +135,7 @@ async def one_slot():
 
 
 async def test_one_slot_at_concurrency_two_runs_batches_of_two_not_alternating_ones(one_slot):
-    batcher, slots = one_slot
+    batcher, slots, clock = one_slot
     batcher.add([request()])  # client A's request runs...
     batcher.add([request()])  # ...while client B's waits
     batcher._release(slots[0], 1, 10.0)  # A's answer goes out: A comes back, B is here
@@ -107,7 +145,7 @@ async def test_one_slot_at_concurrency_two_runs_batches_of_two_not_alternating_o
 
 
 async def test_requests_answered_while_waiting_leave_the_queue_when_a_batch_ends(one_slot):
-    batcher, slots = one_slot
+    batcher, slots, clock = one_slot
     batcher.add([request(max_tokens=500)])
     gone = [request(), request()]
     batcher.add(gone)
@@ -119,7 +157,7 @@ async def test_requests_answered_while_waiting_leave_the_queue_when_a_batch_ends
 
 
 async def test_a_lone_client_never_waits_after_its_own_batch(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request()])
     batcher._release(slots[0], 1, 10.0)  # concurrency 1: the last batch held one request
     batcher.add([request()])
@@ -127,7 +165,7 @@ async def test_a_lone_client_never_waits_after_its_own_batch(two_slots):
 
 
 async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request(max_tokens=500)])  # long: no fair-share limit applies against it
     await started(batcher, slots)  # slot 0 is now busy for good
     finished_elsewhere(batcher, 3, 10.0)
@@ -138,7 +176,7 @@ async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots
 
 
 async def test_a_fill_beside_a_busy_slot_ends_when_that_slot_comes_free(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request(max_tokens=500)])
     await started(batcher, slots)
     finished_elsewhere(batcher, 3, 10.0)
@@ -151,7 +189,7 @@ async def test_a_fill_beside_a_busy_slot_ends_when_that_slot_comes_free(two_slot
 
 
 async def test_once_every_answered_client_is_back_a_freed_slot_waits_no_more(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request(prompt_len=320) for _ in range(16)])
     batcher.add([request(prompt_len=320) for _ in range(16)])
     batcher._release(slots[0], 16, 10.0)  # both batches end at once: 32 clients on their way back
@@ -165,7 +203,7 @@ async def test_once_every_answered_client_is_back_a_freed_slot_waits_no_more(two
 
 async def test_a_batch_that_waited_for_company_is_counted_with_its_wait():
     metrics = Metrics()
-    async with running_batcher(2, metrics=metrics) as (batcher, slots):
+    async with running_batcher(2, metrics=metrics) as (batcher, slots, _):
         batcher.add([request()])  # a quiet server: starts at once, no wait
         finished_elsewhere(batcher, 2, 10.0)
         batcher.add([request()])  # beside the busy slot: waits for the other client
@@ -176,22 +214,24 @@ async def test_a_batch_that_waited_for_company_is_counted_with_its_wait():
     fill = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode())
             if f.name == "xllm:batch_fill_wait_seconds" for s in f.samples}
     assert fill["xllm:batch_fill_wait_seconds_count"] == 1
-    assert 0.015 < fill["xllm:batch_fill_wait_seconds_sum"] < 1.0
+    assert 0.015 < fill["xllm:batch_fill_wait_seconds_sum"] < 10  # seconds (measured on the real clock)
 
 
 async def test_the_wait_never_exceeds_the_last_prefill(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request()])
     await started(batcher, slots)
     finished_elsewhere(batcher, 16, 0.05)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1
-    await asyncio.sleep(0.08)
+    clock.advance(0.04)
+    assert len(await started(batcher, slots)) == 1  # still waiting 40 ms on
+    clock.advance(0.02)
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # it went alone after 50 ms
 
 
 async def test_against_short_batches_a_slot_takes_its_fair_share(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request() for _ in range(2)])
     await started(batcher, slots)  # slot 0 runs 2 one-token requests (short) for good
     batcher.add([request() for _ in range(6)])
@@ -201,7 +241,7 @@ async def test_against_short_batches_a_slot_takes_its_fair_share(two_slots):
 
 
 async def test_against_a_long_batch_a_slot_takes_everything(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request(max_tokens=500)])
     await started(batcher, slots)
     batcher.add([request() for _ in range(6)])
@@ -209,13 +249,13 @@ async def test_against_a_long_batch_a_slot_takes_everything(two_slots):
 
 
 async def test_on_an_idle_server_add_starts_the_batch_before_returning(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request()])
     assert [len(s.batches) for s in slots] == [1, 0]  # no loop iteration in between
 
 
 async def test_the_most_recently_freed_slot_is_taken_first(two_slots):
-    batcher, slots = two_slots
+    batcher, slots, clock = two_slots
     batcher.add([request()])
     batcher.add([request()])  # both slots busy now
     batcher._release(slots[1], 1, 0.001)
@@ -224,24 +264,14 @@ async def test_the_most_recently_freed_slot_is_taken_first(two_slots):
     assert [len(s.batches) for s in slots] == [2, 1]  # slot 0 came free last: its thread is warm
 
 
-class LaggingClock:
-    """The running loop, but its time() reads 5 ms behind the clock its timers use: a timer
-    fires while time() still reads before its deadline, as uvloop's millisecond clock can."""
-
-    def __init__(self, loop) -> None:
-        self._loop = loop
-
-    def time(self) -> float:
-        return self._loop.time() - 0.005
-
-    def __getattr__(self, name):
-        return getattr(self._loop, name)
-
-
 async def test_a_wait_ends_when_its_timer_fires_whatever_the_clock_reads():
-    async with running_batcher(1, LaggingClock(asyncio.get_running_loop())) as (batcher, slots):
+    # time() reads 5 ms behind the timers' clock: the timer fires while time() still reads
+    # before its deadline.
+    async with running_batcher(1, lag=0.005) as (batcher, slots, clock):
         batcher.add([request()])
         batcher._release(slots[0], 16, 0.02)  # 16 clients coming back: the next request waits for them
         batcher.add([request()])
-        await asyncio.sleep(0.1)
+        assert len(await started(batcher, slots)) == 1
+        clock.advance(0.02)
+        await started(batcher, slots)
         assert [len(b) for b in slots[0].batches] == [1, 1]  # it went alone when the timer fired

@@ -20,6 +20,7 @@ from .metrics import Gauge, Metrics
 from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
+from .runtime.hold import maybe_hold
 from .runtime.model_runner import ModelRunner
 
 log = logging.getLogger("xllm_async.server")
@@ -44,7 +45,8 @@ class Service:
         except DeviceError as exc:
             raise ConfigError(str(exc)) from None
         model_dir = settings.model or default_model_dir(settings.cache_dir)
-        self.runner = runner or ModelRunner(model_dir, device, settings.dtype)
+        # maybe_hold: the runner itself, unless a test asked for a hold on its forwards (runtime/hold.py).
+        self.runner = maybe_hold(runner or ModelRunner(model_dir, device, settings.dtype))
         if settings.max_model_len is not None:
             if settings.max_model_len > self.runner.max_model_len:
                 raise ConfigError(f"invalid XLLM_MAX_MODEL_LEN={settings.max_model_len}: "
