@@ -3,14 +3,13 @@ X-Request-Id, /server_info, /version."""
 
 from __future__ import annotations
 
-import time
-
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .client import get, post
 from .conftest import ServerProcess
+from .hold import wait_until
 
 
 def scrape(port: int) -> dict:
@@ -58,12 +57,23 @@ def test_metrics_parse_and_count_requests(server):
     assert sample_value(after, "xllm:slot_busy_seconds", "xllm:slot_busy_seconds_total", slot="0") > 0
 
 
+def log_line(server, marker: str) -> str:
+    """The server's log line holding marker, once it is written (it may follow the answer)."""
+    lines: list[str] = []
+
+    def found() -> bool:
+        lines[:] = [line for line in server.log().splitlines() if marker in line]
+        return bool(lines)
+
+    wait_until(found, what=f"a log line with {marker}")
+    return lines[0]
+
+
 def test_request_id_is_echoed_and_logged(server):
     status, _, headers = post(server.port, "/v1/completions", {"prompt": [7, 8], "max_tokens": 2},
                               headers={"x-request-id": "trace-abc-123"})
     assert status == 200 and headers["x-request-id"] == "trace-abc-123"
-    time.sleep(0.2)
-    line = next(line for line in server.log().splitlines() if "id=trace-abc-123" in line)
+    line = log_line(server, "id=trace-abc-123")
     assert '"POST /v1/completions" 200' in line and "prompt=2 output=2" in line and "ttft=" in line
 
 
@@ -89,8 +99,7 @@ def json_log_server(tiny_model_dir):
 def test_json_access_log_lines(json_log_server):
     post(json_log_server.port, "/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 2},
          headers={"x-request-id": "json-1"})
-    time.sleep(0.2)
-    line = next(line for line in json_log_server.log().splitlines() if '"json-1"' in line)
+    line = log_line(json_log_server, '"json-1"')
     record = orjson.loads(line[line.index("{"):])
     assert record["status"] == 200 and record["path"] == "/v1/completions" and record["method"] == "POST"
     assert record["prompt_tokens"] == 3 and record["output_tokens"] == 2
