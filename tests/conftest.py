@@ -65,7 +65,9 @@ class ServerProcess:
         self.hold = Hold()  # tests hold its forwards through this, never through timing
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "server.py"), "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.hold.env, **(env or {})},
+            # float32 unless a test says otherwise: answers are compared with transformers' float32 ones.
+            stdout=self._log, stderr=subprocess.STDOUT,
+            env={"XLLM_DTYPE": "float32", **os.environ, **self.hold.env, **(env or {})},
             cwd=ROOT,
         )
         self._wait_ready(timeout)

@@ -111,34 +111,96 @@ def test_one_beam_streams_like_greedy(server):
     assert events[-1] == "[DONE]" and len(events) >= 2
 
 
+def semantic_ids(count: int, codebooks: int = 3, codes: int = 16, seed: int = 0) -> list[tuple[int, ...]]:
+    """Item ids as residual quantisers make them: one code per codebook, each codebook its own tokens."""
+    rng = torch.Generator().manual_seed(seed)
+    ids = set()
+    while len(ids) < count:
+        picks = torch.randint(0, codes, (codebooks,), generator=rng).tolist()
+        ids.add(tuple(1000 * (level + 1) + code for level, code in enumerate(picks)))
+    return sorted(ids)
+
+
+ITEMS = semantic_ids(300)
+
+
 @pytest.fixture(scope="module")
-def item_servers(tiny_model_dir, beam_expected, tmp_path_factory):
-    """Two servers with an item table naming the reference's 1st and 3rd best sequences."""
-    prompts, expected = beam_expected
-    sequences = expected[0][0]  # CASES[0]: width 8, 3 returned, 3 rounds
+def item_server(tiny_model_dir, tmp_path_factory):
     table = tmp_path_factory.mktemp("items") / "items.tsv"
-    table.write_text("# item<TAB>token ids\n"
-                     f"sku-first\t{' '.join(map(str, sequences[0]))}\n"
-                     f"sku-third\t{' '.join(map(str, sequences[2]))}\n")
-    common = ["--model", tiny_model_dir, "--item-table", str(table)]
-    filtering = ServerProcess(common)
-    flagging = ServerProcess([*common, "--item-unknown", "flag"])
-    yield filtering, flagging
-    filtering.stop()
-    flagging.stop()
+    table.write_text("# item<TAB>token ids\n" + "".join(f"sku-{i}\t{' '.join(map(str, key))}\n"
+                                                        for i, key in enumerate(ITEMS)))
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)])
+    yield server
+    server.stop()
 
 
-def test_item_table_maps_ids_and_filters_or_flags_unknown(item_servers, beam_expected):
-    filtering, flagging = item_servers
-    prompts, expected = beam_expected
-    sequences = expected[0][0]
-    status, body, _ = beam_request(filtering.port, prompts[0], 8, 3, 3)
-    assert status == 200
-    # Only sequences that name an item come back, best first: the 2nd best names none.
-    assert [(c["item_id"], c["token_ids"]) for c in body["choices"]] == [("sku-first", sequences[0]),
-                                                                         ("sku-third", sequences[2])]
-    status, body, _ = beam_request(flagging.port, prompts[0], 8, 3, 3)
-    assert [c["item_id"] for c in body["choices"]] == ["sku-first", None, "sku-third"]
+def constrained_reference(reference, prompt, width: int, count: int) -> tuple[list, list]:
+    """transformers' beam search kept to the table's paths, log-probabilities renormalised over them."""
+    def allowed(batch_id, sequence):
+        prefix = tuple(sequence[len(prompt):].tolist())
+        return sorted({key[len(prefix)] for key in ITEMS if key[:len(prefix)] == prefix})
+
+    with torch.inference_mode():
+        out = reference.model.generate(
+            torch.tensor([prompt]), num_beams=width, num_return_sequences=count, max_new_tokens=3,
+            do_sample=False, length_penalty=0.0, early_stopping=True, eos_token_id=None, pad_token_id=0,
+            prefix_allowed_tokens_fn=allowed, renormalize_logits=True, return_dict_in_generate=True,
+            output_scores=True)
+    return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("width,count", [(8, 3), (16, 16), (4, 1)])
+def test_item_table_search_returns_only_items_and_equals_transformers(item_server, beam_expected, reference,
+                                                                      width, count):
+    prompts, _ = beam_expected
+    names = {key: f"sku-{i}" for i, key in enumerate(ITEMS)}
+    for prompt in prompts[:3]:
+        sequences, scores = constrained_reference(reference, prompt, width, count)
+        status, body, _ = beam_request(item_server.port, prompt, width, count, 3)
+        assert status == 200, body
+        choices = body["choices"]
+        assert len(choices) == count  # every asked item comes back
+        assert [c["token_ids"] for c in choices] == sequences
+        assert [c["item_id"] for c in choices] == [names[tuple(c["token_ids"])] for c in choices]
+        for choice, score in zip(choices, scores):
+            assert math.isclose(choice["cumulative_logprob"], score, abs_tol=1e-3)
+
+
+def test_a_table_with_fewer_items_than_asked_returns_all_of_them(tiny_model_dir, tmp_path, beam_expected):
+    table = tmp_path / "three.tsv"
+    table.write_text("a\t5 6\nb\t5 7\nc\t9 6\n")
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)])
+    try:
+        status, body, _ = beam_request(server.port, beam_expected[0][0], 8, 8, 2)
+        assert status == 200, body
+        assert sorted(c["item_id"] for c in body["choices"]) == ["a", "b", "c"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"beam_width": 4, "max_tokens": 2}, "max_tokens"),
+    ({"beam_width": 4, "max_tokens": 4}, "max_tokens"),
+    ({"beam_width": 4, "num_return_sequences": 5, "max_tokens": 3}, "num_return_sequences"),
+])
+def test_bad_item_requests_get_400(item_server, body, param):
+    status, answer, _ = post(item_server.port, "/v1/completions", {"prompt": [1, 2, 3], **body})
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_item_table_of_mixed_lengths_stops_start_up_naming_the_line(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    bad = tmp_path / "items.tsv"
+    bad.write_text("a\t1 2 3\nb\t4 5\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--model", tiny_model_dir,
+                           "--item-table", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "XLLM_ITEM_TABLE" in proc.stderr and ":2:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_bad_item_table_stops_start_up_with_one_line(tiny_model_dir, tmp_path):

@@ -77,15 +77,15 @@ def test_budget_always_takes_one_and_drops_aborted():
 
 
 def test_kv_cache_select_and_merge_keep_rows_exact(reference):
-    from xllm_async.runtime.model_runner import ModelRunner
+    from xllm_async.runtime.hf_runner import TransformersRunner
 
-    runner = ModelRunner.__new__(ModelRunner)  # reuse the loaded reference model
+    runner = TransformersRunner.__new__(TransformersRunner)  # reuse the loaded reference model
     runner.model, runner.config, runner.device, runner.pad_id = (reference.model, reference.model.config,
                                                                  torch.device("cpu"), 0)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16]]
     with torch.inference_mode():
-        logits, kv = runner.prefill(prompts, keep_cache=True)
-        one_logits, one_kv = runner.prefill(prompts[2:], keep_cache=True)
+        logits, kv = runner.prefill(prompts, capacity=1)
+        one_logits, one_kv = runner.prefill(prompts[2:], capacity=1)
         kv.select([0, 1])
         kv.merge(one_kv)
         tokens = logits.argmax(-1).tolist()[:2] + one_logits.argmax(-1).tolist()

@@ -19,10 +19,10 @@ POISON = 4242  # a prompt holding this token id makes the forward raise
 
 
 class FaultyRunner(ModelRunner):
-    def prefill(self, prompts, keep_cache):
+    def prefill(self, prompts, capacity=0, into=None):
         if any(POISON in p for p in prompts):
             raise RuntimeError("injected: out of memory")
-        return super().prefill(prompts, keep_cache)
+        return super().prefill(prompts, capacity, into)
 
     def decode(self, kv, tokens):
         if POISON in tokens:
@@ -73,8 +73,8 @@ async def test_a_failing_decode_step_answers_500_mid_stream_too(faulty_runner, t
         req = EngineRequest(0, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), stream)
         original = faulty_runner.prefill
 
-        def prefill_then_poison(prompts, keep_cache):
-            logits, kv = original(prompts, keep_cache)
+        def prefill_then_poison(prompts, capacity=0, into=None):
+            logits, kv = original(prompts, capacity, into)
             logits[:, POISON] = 1e9  # the first sampled token is POISON, so the first decode raises
             return logits, kv
 

@@ -24,6 +24,8 @@ class Settings:
     port: int = 8000
     devices: str = "auto"
     dtype: str = "auto"
+    engine: str = "auto"
+    kv_cache_bytes: int | None = None
     scheduler: str = "fixed_steps"
     concurrent_execute_stream_num: int = 2
     torch_threads: int = 0
@@ -46,7 +48,6 @@ class Settings:
     max_num_return_sequences: int = 128
     beam_max_tokens: int = 3
     item_table: str | None = None
-    item_unknown: str = "filter"
     log_level: str = "info"
     access_log: str = "plain"
     metrics: str = "on"
@@ -110,6 +111,21 @@ def _model_dir(text: str) -> str:
     return path
 
 
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?$", re.IGNORECASE)
+
+
+def _bytes(text: str) -> int:
+    """A size: 4000000000, 4G, 512MiB (powers of 1024 for K/M/G/T)."""
+    match = _SIZE_RE.match(text.strip())
+    if not match:
+        raise ValueError("a size in bytes such as 4G or 512M")
+    unit = 1024 ** ("kmgt".find(match.group(2).lower()) + 1) if match.group(2) else 1
+    value = int(float(match.group(1)) * unit)
+    if value < 1 << 20:
+        raise ValueError("a size of at least 1M")
+    return value
+
+
 def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
     return lambda text: None if text == "" else parse(text)
 
@@ -123,7 +139,12 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "port": (_int_range(1, 65535), "TCP port"),
     "devices": (_device, "auto (NPU, else CUDA, else CPU), cpu, cuda:N or npu:N"),
     "dtype": (_choice("auto", "float32", "bfloat16", "float16"),
-              "weights and activations dtype; auto = the model's own"),
+              "weights and activations dtype; auto = on CPU bfloat16 where the CPU has AMX or "
+              "AVX512-BF16, else float32; on accelerators the model's own"),
+    "engine": (_choice("auto", "native", "transformers"),
+               "model code: native (ours: Llama, Qwen2, Qwen3) or transformers; auto = native where supported"),
+    "kv_cache_bytes": (_optional(_bytes), "key/value cache of all slots together (e.g. 4G); unset = 20% of host "
+                                          "memory on CPU, 50% of free device memory on accelerators"),
     "scheduler": (_choice("fixed_steps", "continuous"),
                   "fixed_steps (batches run to completion on N slots) or continuous"),
     "concurrent_execute_stream_num": (_int_range(1, 64),
@@ -131,7 +152,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "torch_threads": (_int_range(0, 1024), "CPU only: intra-op threads per slot; 0 = cores // slots"),
     "slot_nice": (_int_range(0, 19), "Linux: slot threads run this much nicer than the event loop, "
                                      "so it answers promptly while they compute; 0 = same priority"),
-    "max_tokens_per_batch": (_int_range(1), "token budget of one batch (padded prompt tokens)"),
+    "max_tokens_per_batch": (_int_range(1), "prompt tokens one batch may prefill (padded ones on the "
+                                            "transformers engine)"),
     "max_seqs_per_batch": (_int_range(1), "sequence budget of one batch"),
     "max_model_len": (_optional(_int_range(2)), "longest prompt + output in tokens (default: the model's)"),
     "max_queued_requests": (_int_range(1), "requests waiting for a batch before new ones get 503"),
@@ -148,8 +170,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "max_beam_width": (_int_range(1, 1024), "largest `beam_width` of a beam (recommendation) request"),
     "max_num_return_sequences": (_int_range(1, 1024), "largest `num_return_sequences` of a beam request"),
     "beam_max_tokens": (_int_range(1), "rounds (item id length) of a beam request that sends no `max_tokens`"),
-    "item_table": (_optional(_text), "file of `<item id><TAB><token ids>` lines; beam choices then carry `item_id`"),
-    "item_unknown": (_choice("filter", "flag"), "beams naming no item: filter them out, or flag with item_id null"),
+    "item_table": (_optional(_text), "file of `<item id><TAB><token ids>` lines, all of one length; beam searches then "
+                                      "return only items, each choice with its `item_id`"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),

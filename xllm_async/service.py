@@ -14,6 +14,7 @@ from .api.items import ItemTable, ItemTableError
 from .api.requests import BeamLimits, ModelInfo
 from .config import ConfigError, Settings
 from .engine.engine import Engine
+from .engine.item_trie import ItemTrie
 from .http.protocol import HttpLimits
 from .http.server import HttpServer
 from .metrics import Gauge, Metrics
@@ -21,7 +22,7 @@ from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
 from .runtime.hold import maybe_hold
-from .runtime.model_runner import ModelRunner
+from .runtime.model_runner import ModelRunner, load_runner
 
 log = logging.getLogger("xllm_async.server")
 
@@ -37,7 +38,7 @@ class Service:
         Must run inside the event loop that will serve."""
         self.settings = settings
         try:
-            self.items = ItemTable.load(settings.item_table, settings.item_unknown) if settings.item_table else None
+            self.items = ItemTable.load(settings.item_table) if settings.item_table else None
         except ItemTableError as exc:
             raise ConfigError(f"invalid XLLM_ITEM_TABLE: {exc}") from None
         try:
@@ -46,7 +47,11 @@ class Service:
             raise ConfigError(str(exc)) from None
         model_dir = settings.model or default_model_dir(settings.cache_dir)
         # maybe_hold: the runner itself, unless a test asked for a hold on its forwards (runtime/hold.py).
-        self.runner = maybe_hold(runner or ModelRunner(model_dir, device, settings.dtype))
+        try:
+            runner = runner or load_runner(model_dir, device, settings.dtype, settings.engine)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.runner = maybe_hold(runner)
         if settings.max_model_len is not None:
             if settings.max_model_len > self.runner.max_model_len:
                 raise ConfigError(f"invalid XLLM_MAX_MODEL_LEN={settings.max_model_len}: "
@@ -54,25 +59,33 @@ class Service:
             self.runner.max_model_len = settings.max_model_len
 
         continuous = settings.scheduler == "continuous"
+        num_slots = 1 if continuous else settings.concurrent_execute_stream_num
+        self.runner.set_kv_cache(settings.kv_cache_bytes, num_slots)
+        if self.runner.kv_tokens and self.runner.kv_tokens < self.runner.max_model_len:
+            raise ConfigError(f"invalid XLLM_KV_CACHE_BYTES={settings.kv_cache_bytes}: a slot's cache holds "
+                              f"{self.runner.kv_tokens} tokens, less than one sequence of XLLM_MAX_MODEL_LEN="
+                              f"{self.runner.max_model_len}; give it more bytes or lower XLLM_MAX_MODEL_LEN")
         if continuous and settings.concurrent_execute_stream_num != 1:
             log.info("continuous scheduler: one batch in flight on one slot "
                      "(XLLM_CONCURRENT_EXECUTE_STREAM_NUM applies to fixed_steps)")
-        self.slots = start_slots(self.runner.device, 1 if continuous else settings.concurrent_execute_stream_num,
+        self.slots = start_slots(self.runner.device, num_slots,
                                  settings.torch_threads, settings.slot_nice)
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
                                lambda: self.runner.load_seconds))
+        trie = ItemTrie(self.items.items, self.runner.device) if self.items else None
         self.engine = Engine(self.runner, self.slots, settings.scheduler, settings.max_seqs_per_batch,
                              settings.max_tokens_per_batch, settings.max_queued_requests, self.metrics,
-                             settings.queue_timeout)
+                             settings.queue_timeout, trie)
         self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
         beam = BeamLimits(not continuous, settings.max_beam_width, settings.max_num_return_sequences,
-                          settings.beam_max_tokens)
+                          settings.beam_max_tokens, self.items.item_length if self.items else 0)
         model = ModelInfo(self.name, self.runner.tokenizer, self.runner.vocab_size, self.runner.max_model_len,
                           settings.max_n, beam)
         info = {
             "model": self.name, "model_path": model_dir, "device": str(self.runner.device),
-            "dtype": str(self.runner.dtype).removeprefix("torch."), "scheduler": settings.scheduler,
+            "dtype": str(self.runner.dtype).removeprefix("torch."), "engine": self.runner.engine,
+            "kv_cache_tokens_per_slot": self.runner.kv_tokens, "scheduler": settings.scheduler,
             "concurrent_execute_stream_num": len(self.slots),
             "max_tokens_per_batch": settings.max_tokens_per_batch,
             "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,

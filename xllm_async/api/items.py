@@ -13,13 +13,15 @@ class ItemTableError(Exception):
 
 
 class ItemTable:
-    def __init__(self, items: dict[tuple[int, ...], str], unknown: str = "filter") -> None:
+    """Token-id tuples -> item ids; the engine searches only its items (engine/item_trie.py)."""
+
+    def __init__(self, items: dict[tuple[int, ...], str]) -> None:
         self.items = items
-        self.unknown = unknown  # filter: drop sequences that name no item; flag: keep them with item_id null
 
     @classmethod
-    def load(cls, path: str, unknown: str = "filter") -> ItemTable:
+    def load(cls, path: str) -> ItemTable:
         items: dict[tuple[int, ...], str] = {}
+        length = 0
         try:
             with open(path, encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
@@ -33,19 +35,21 @@ class ItemTable:
                         key = ()
                     if not sep or not item_id or not key:
                         raise ItemTableError(f"{path}:{number}: expected '<item id><TAB><token ids>'")
+                    if items and len(key) != length:
+                        raise ItemTableError(f"{path}:{number}: an item of {len(key)} tokens; the items above "
+                                             f"have {length} (every item id must have the same length)")
+                    length = len(key)
                     items[key] = item_id
         except OSError as exc:
             raise ItemTableError(f"{path}: {exc.strerror}") from None
-        return cls(items, unknown)
+        if not items:
+            raise ItemTableError(f"{path}: no items")
+        return cls(items)
+
+    @property
+    def item_length(self) -> int:
+        return len(next(iter(self.items)))
 
     def select(self, beams: list, count: int) -> list[tuple[object, str | None]]:
-        """The best `count` beams with their item ids, unknown ones filtered or flagged."""
-        chosen = []
-        for beam in beams:
-            item_id = self.items.get(tuple(beam.token_ids))
-            if item_id is None and self.unknown == "filter":
-                continue
-            chosen.append((beam, item_id))
-            if len(chosen) == count:
-                break
-        return chosen
+        """The best `count` beams with their item ids (a constrained search returns only items)."""
+        return [(beam, self.items.get(tuple(beam.token_ids))) for beam in beams[:count]]

@@ -16,14 +16,15 @@ MAX_PROMPTS = 1024
 class BeamLimits:
     """What beam (recommendation) requests may ask for on this server."""
 
-    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds")
+    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds", "item_length")
 
     def __init__(self, supported: bool = True, max_beam_width: int = 128, max_num_return_sequences: int = 128,
-                 default_rounds: int = 3) -> None:
+                 default_rounds: int = 3, item_length: int = 0) -> None:
         self.supported = supported  # the continuous scheduler runs no beam search
         self.max_beam_width = max_beam_width
         self.max_num_return_sequences = max_num_return_sequences
-        self.default_rounds = default_rounds
+        self.default_rounds = item_length or default_rounds
+        self.item_length = item_length  # with an item table: every item id's length in tokens (0: no table)
 
 
 class ModelInfo:
@@ -107,6 +108,9 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     beam_width = _beam_width(fields, model)
     if beam_width is not None and max_tokens is None:
         max_tokens = model.beam.default_rounds  # an item id's length
+    if beam_width is not None and model.beam.item_length and max_tokens != model.beam.item_length:
+        raise bad("max_tokens", f"Items of this server's table are {model.beam.item_length} tokens long: "
+                                f"`max_tokens` must be {model.beam.item_length} with `beam_width` (or absent)")
     longest = max(len(p) for p in prompts)
     if longest >= model.max_model_len:
         raise bad(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens, "

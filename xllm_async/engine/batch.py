@@ -34,14 +34,32 @@ class GenerationBatch:
         return len(self.requests)
 
     def prefill(self) -> Items:
+        return self._prefill(self.requests)
+
+    def add(self, requests: list[EngineRequest]) -> Items:
+        """Prefill new requests into this running batch (the continuous scheduler):
+        their keys join its cache as new rows, and they step with it from now on."""
+        for req in requests:
+            req.bind(self.runner.tokenizer, self.runner.eos_token_ids, self.runner.max_model_len)
+            req.generator = make_generator(req.params, self.runner.device, req.index)
+        return self._prefill(requests, into=self)
+
+    def _prefill(self, requests: list[EngineRequest], into: GenerationBatch | None = None) -> Items:
         started = time.monotonic()
-        for req in self.requests:
+        for req in requests:
             req.started = started
-        # One-token requests need neither a cache nor more than the last logits.
-        keep_cache = any(r.params.max_tokens > 1 for r in self.requests)
-        prompts = [r.prompt_ids for r in self.requests]
-        logits, self.kv = self.runner.prefill(prompts, keep_cache)
-        items = self._advance(logits)
+        prompts = [r.prompt_ids for r in requests]
+        first = len(self.requests) if into is not None else 0
+        try:
+            logits, self.kv = self.runner.prefill(prompts, cache_capacity(requests, self.runner.max_model_len),
+                                                  self.kv if into is not None else None)
+        except Exception:
+            if into is not None and self.kv is not None:  # the running rows go on; drop half-written ones
+                self.kv.select(list(range(first)))
+            raise
+        if into is not None:
+            self.requests = self.requests + requests
+        items = self._advance(logits, first)
         if self._metrics is not None:
             self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items))
         return items
@@ -57,10 +75,9 @@ class GenerationBatch:
             self._metrics.batch_decoded(time.monotonic() - started, len(items))
         return items
 
-    def merge(self, other: GenerationBatch) -> None:
-        self.requests += other.requests
-        self._next_tokens += other._next_tokens
-        self.kv.merge(other.kv)
+    def cache_in_use(self) -> tuple[int, int]:
+        """(rows, tokens a row may reach) of its cache, for the budget of requests that join it."""
+        return len(self.requests), max((r.cache_tokens for r in self.requests), default=0)
 
     def fail(self, exc: Exception) -> Items:
         """End every unfinished sequence of the batch with an error (a forward raised)."""
@@ -68,17 +85,16 @@ class GenerationBatch:
         self.requests = []
         return items
 
-    def _advance(self, logits) -> Items:
-        requests = self.requests
+    def _advance(self, logits, first: int = 0) -> Items:
+        """Sample the next token of rows first.. (their logits in order) and hand them out."""
+        requests = self.requests[first:]
         tokens, logprobs = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         items = []
-        alive = []
         for row, req in enumerate(requests):
             items.append((req, req.append(tokens[row], logprobs[row])))
-            if req.finish_reason is None:
-                alive.append(row)
-        self._next_tokens = tokens
-        if len(alive) < len(requests):
+        self._next_tokens = self._next_tokens[:first] + tokens
+        alive = [row for row, req in enumerate(self.requests) if req.finish_reason is None]
+        if len(alive) < len(self.requests):
             self._keep(alive)
         return items
 
@@ -87,6 +103,14 @@ class GenerationBatch:
         self._next_tokens = [self._next_tokens[i] for i in rows]
         if rows and self.kv is not None:
             self.kv.select(rows)
+
+
+def cache_capacity(requests: list[EngineRequest], max_model_len: int) -> int:
+    """Tokens a row of these requests' cache must hold (0: none needed, every one
+    wants a single token and needs only the prompt's last logits)."""
+    if all(r.params.max_tokens <= 1 for r in requests):
+        return 0
+    return max(min(len(r.prompt_ids) + r.params.max_tokens, max_model_len) for r in requests)
 
 
 def fail_all(requests: list[EngineRequest], exc: Exception) -> Items:

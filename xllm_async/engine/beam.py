@@ -1,11 +1,19 @@
 """Beam search for generative recommendation: a short item id (a few tokens)
 found by a wide beam, every request running exactly its number of rounds.
 
-A beam request prefills its prompt once; its cache row is then copied to
-beam_width rows. Each round: logits -> log-probabilities -> the best
-beam_width (beam, token) continuations by cumulative log-probability ->
-caches reordered to follow their parent beams. EOS is an ordinary token here:
+A beam request prefills its prompt once and keeps that cache once; its beams
+keep only their own tokens (the runner's beam calls, model/attention.py's
+BeamDecode). Each round: final hidden states -> logits -> log-probabilities ->
+the best beam_width (beam, token) continuations by cumulative log-probability
+-> the beams' own caches follow their parents. EOS is an ordinary token here:
 item ids have a fixed length, so every request runs its rounds to the end.
+
+With an item table (engine/item_trie.py) every beam may only continue with a
+token that keeps it on an item's path: the LM head is computed for the tokens
+that occur at that depth only, the others masked, and log-probabilities are
+normalised over the allowed tokens (the model's distribution given that the
+answer is an item; transformers' generate with prefix_allowed_tokens_fn and
+renormalize_logits=True computes the same).
 """
 
 from __future__ import annotations
@@ -46,30 +54,42 @@ class BeamRequest(QueuedRequest):
     def max_steps(self) -> int:
         return self.rounds
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Its prompt once, plus the tokens its beams add (their own keys, not copies of the prompt)."""
+        return len(self.prompt_ids) + self.beam_width * (self.rounds - 1)
+
+    @property
+    def cache_tokens(self) -> int:
+        return len(self.prompt_ids) if self.rounds > 1 else 0
+
 
 class _Group:
-    """The live beams of one request: rows [start, start + width) of the batch."""
+    """The live beams of one request."""
 
-    __slots__ = ("request", "tokens", "scores", "round")
+    __slots__ = ("request", "tokens", "scores", "parents", "nodes", "round")
 
-    def __init__(self, request: BeamRequest, tokens: list[list[int]], scores: torch.Tensor) -> None:
+    def __init__(self, request: BeamRequest, device) -> None:
         self.request = request
-        self.tokens = tokens  # one token list per beam
-        self.scores = scores  # [width] cumulative log-probabilities
-        self.round = 1
+        self.tokens: list[list[int]] = [[]]  # one token list per live beam; before round one, the prompt alone
+        self.scores = torch.zeros(1, device=device)  # [live beams] cumulative log-probabilities
+        self.parents: list[int] = []  # for each live beam, the row it continues among the last rows fed
+        self.nodes: list[int] = [0]  # each beam's trie node (the root before round one)
+        self.round = 0
 
 
 class BeamSearchBatch:
     """Beam requests that step together on one execution thread; same interface
     as GenerationBatch (prefill, decode, fail, len), deltas only at the end."""
 
-    __slots__ = ("runner", "requests", "groups", "kv", "_metrics")
+    __slots__ = ("runner", "requests", "groups", "state", "trie", "_metrics")
 
-    def __init__(self, runner, requests: list[BeamRequest], metrics=None) -> None:
+    def __init__(self, runner, requests: list[BeamRequest], metrics=None, trie=None) -> None:
         self.runner = runner
         self.requests = requests
         self.groups: list[_Group] = []
-        self.kv = None
+        self.state = None
+        self.trie = trie
         self._metrics = metrics
 
     def __len__(self) -> int:
@@ -79,21 +99,13 @@ class BeamSearchBatch:
         started = time.monotonic()
         for req in self.requests:
             req.started = started
-        keep_cache = any(r.rounds > 1 for r in self.requests)
         prompts = [r.prompt_ids for r in self.requests]
-        logits, self.kv = self.runner.prefill(prompts, keep_cache)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        rows = []
-        for row, req in enumerate(self.requests):
-            # Round one: every beam starts from the same prompt, so the best
-            # beam_width tokens of that one row are the beams.
-            scores, tokens = logprobs[row].topk(req.beam_width)
-            self.groups.append(_Group(req, [[t] for t in tokens.tolist()], scores))
-            rows += [row] * req.beam_width
-        if keep_cache:
-            self.kv.select(rows)  # copy each prompt's cache to its beams: prefilled once, never per beam
+        hidden, self.state = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
+                                                      max(r.rounds for r in self.requests))
+        self.groups = [_Group(req, hidden.device) for req in self.requests]
+        self._choose(hidden)
         if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(rows))
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts))
         return self._finish_done()
 
     def decode(self) -> list:
@@ -103,24 +115,10 @@ class BeamSearchBatch:
                 return []
         started = time.monotonic()
         last = [beam[-1] for g in self.groups for beam in g.tokens]
-        logprobs = torch.log_softmax(self.runner.decode(self.kv, last), dim=-1)
-        # The best beam_width continuations of a group are among each beam's own
-        # best beam_width tokens: rank those, not the whole vocabulary.
-        widest = max(g.request.beam_width for g in self.groups)
-        top_scores, top_tokens = logprobs.topk(widest, dim=-1)
-        parents: list[int] = []
-        start = 0
-        for g in self.groups:
-            width = g.request.beam_width
-            candidates = g.scores[:, None] + top_scores[start:start + width, :width]
-            g.scores, flat = candidates.flatten().topk(width)
-            beam = (flat // width).tolist()
-            tokens = top_tokens[start:start + width, :width].flatten()[flat].tolist()
-            g.tokens = [g.tokens[b] + [t] for b, t in zip(beam, tokens)]
-            g.round += 1
-            parents += [start + b for b in beam]
-            start += width
-        self.kv.select(parents)  # each new beam continues its parent's cache
+        starts = self.state.starts
+        parents = [starts[i] + p for i, g in enumerate(self.groups) for p in g.parents]
+        hidden = self.runner.beam_decode(self.state, last, parents, [len(g.tokens) for g in self.groups])
+        self._choose(hidden)
         if self._metrics is not None:
             self._metrics.batch_decoded(time.monotonic() - started, len(last))
         return self._finish_done()
@@ -131,6 +129,40 @@ class BeamSearchBatch:
             [(r, r.fail(message)) for r in self.requests]
         self.groups = []
         return items
+
+    def _choose(self, hidden: torch.Tensor) -> None:
+        """hidden: a row per live beam of every group, in order -> each group's next beams."""
+        depth = self.groups[0].round  # every group of a batch is at the same round
+        if self.trie is None:
+            vocab = None
+            logprobs = torch.log_softmax(self.runner.logits(hidden), dim=-1)
+        else:
+            vocab = self.trie.vocab[depth]
+            logits = self.runner.logits(hidden, vocab)
+            allowed = self.trie.allowed(depth, [n for g in self.groups for n in g.nodes])
+            logprobs = torch.log_softmax(logits.masked_fill_(~allowed, float("-inf")), dim=-1)
+        start = 0
+        for g in self.groups:
+            rows = len(g.tokens)
+            width = g.request.beam_width
+            # The best `width` continuations of a group are among each beam's own best `width`
+            # tokens: rank those (rows x width), never the whole rows x vocabulary.
+            each = min(width, logprobs.shape[1])
+            top_scores, top_columns = logprobs[start:start + rows].topk(each, dim=-1)
+            candidates = (g.scores[:, None] + top_scores).flatten()
+            scores, flat = candidates.topk(min(width, candidates.numel()))
+            if vocab is not None:  # a table may offer fewer paths than beams: drop the impossible ones
+                finite = scores > float("-inf")
+                scores, flat = scores[finite], flat[finite]
+            beams = (flat // each).tolist()
+            columns = top_columns.flatten()[flat]
+            tokens = (columns if vocab is None else vocab[columns]).tolist()
+            g.tokens = [g.tokens[b] + [t] for b, t in zip(beams, tokens)]
+            if vocab is not None:
+                g.nodes = [self.trie.step(g.nodes[b], t) for b, t in zip(beams, tokens)]
+            g.scores, g.parents = scores, beams
+            g.round += 1
+            start += rows
 
     def _finish_done(self) -> list:
         items = []
@@ -150,14 +182,9 @@ class BeamSearchBatch:
         return Delta(g.request.index, "", None, None, "length", beams=beams)
 
     def _keep(self, groups: list[_Group]) -> None:
-        """Keep these groups (a subset, in order) and their cache rows."""
-        rows, start = [], 0
+        """Keep these groups (a subset, in order) and their caches."""
         keep = {id(g) for g in groups}
-        for g in self.groups:
-            width = g.request.beam_width
-            if id(g) in keep:
-                rows += range(start, start + width)
-            start += width
+        indices = [i for i, g in enumerate(self.groups) if id(g) in keep]
         self.groups = groups
-        if rows and self.kv is not None:
-            self.kv.select(rows)
+        if groups and self.state is not None:
+            self.state.keep(indices)

@@ -6,24 +6,32 @@ from collections import deque
 
 
 class BatchBudget:
-    """max_seqs_per_batch sequences and max_tokens_per_batch padded tokens.
+    """max_seqs_per_batch sequences, max_tokens_per_batch prompt tokens, and the
+    slot's key/value cache.
 
-    Prompts are left-padded to the longest one, so the padded size (sequences
-    x longest prompt) is what a batch really holds. A beam request counts as
-    beam_width sequences: its cache is expanded to that many rows.
+    Prompt tokens: on our own engine prompts are packed, so a batch costs the sum
+    of its requests' tokens (a beam request: its prompt once plus its beams' own
+    tokens); on the transformers engine prompts are left-padded, so it costs
+    rows x the longest prompt. A beam request counts as beam_width sequences.
+    The cache (kv_tokens per slot, 0 = unbounded) holds a rectangle: cache rows x
+    the most tokens any row will reach (request.cache_tokens).
     """
 
-    __slots__ = ("max_seqs", "max_tokens")
+    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens")
 
-    def __init__(self, max_seqs: int, max_tokens: int) -> None:
+    def __init__(self, max_seqs: int, max_tokens: int, packed: bool = False, kv_tokens: int = 0) -> None:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
+        self.packed = packed
+        self.kv_tokens = kv_tokens
 
-    def take(self, waiting: deque, seqs_in_use: int = 0, limit: int = 0) -> list:
+    def take(self, waiting: deque, seqs_in_use: int = 0, limit: int = 0,
+             cache_in_use: tuple[int, int] = (0, 0)) -> list:
         """Pop the requests of the next batch off the front of waiting (FIFO).
 
-        limit (when not 0) caps the number of requests taken. A batch holds
-        one kind of request (plain sequences or beam searches):
+        limit (when not 0) caps the number of requests taken; cache_in_use is the
+        (rows, tokens a row) of a running batch that the new one joins. A batch
+        holds one kind of request (plain sequences or beam searches):
         it stops at the first request of another kind. Aborted requests are
         dropped on the way. The first live request is always taken on an
         empty batch, so a prompt larger than the budgets still runs (alone)
@@ -31,8 +39,9 @@ class BatchBudget:
         so peek-then-pop is safe while the event loop appends.
         """
         batch: list = []
-        longest = 0
+        longest = tokens = 0
         seqs = seqs_in_use
+        rows, row_tokens = cache_in_use
         while waiting and not (limit and len(batch) >= limit):
             req = waiting[0]
             if req.aborted:
@@ -42,9 +51,15 @@ class BatchBudget:
                 break
             longest_if_taken = max(longest, len(req.prompt_ids))
             seqs_if_taken = seqs + req.num_seqs
-            over = seqs_if_taken > self.max_seqs or longest_if_taken * seqs_if_taken > self.max_tokens
+            tokens_if_taken = tokens + req.prefill_tokens
+            need = req.cache_tokens
+            row_tokens_if_taken = max(row_tokens, need)
+            over = (seqs_if_taken > self.max_seqs
+                    or (tokens_if_taken if self.packed else longest_if_taken * seqs_if_taken) > self.max_tokens
+                    or (self.kv_tokens and row_tokens_if_taken and (rows + 1) * row_tokens_if_taken > self.kv_tokens))
             if over and (batch or seqs_in_use):
                 break
             batch.append(waiting.popleft())
-            longest, seqs = longest_if_taken, seqs_if_taken
+            longest, seqs, tokens = longest_if_taken, seqs_if_taken, tokens_if_taken
+            rows, row_tokens = rows + 1, row_tokens_if_taken
         return batch

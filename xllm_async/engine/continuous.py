@@ -62,7 +62,8 @@ class ContinuousScheduler:
                 if not self.waiting:
                     self._arrived.wait()
                     continue
-            new = self.budget.take(self.waiting, len(running) if running else 0)
+            new = self.budget.take(self.waiting, len(running) if running else 0,
+                                   cache_in_use=running.cache_in_use() if running else (0, 0))
             self._running = True
             started = time.perf_counter()
             if new:
@@ -74,20 +75,18 @@ class ContinuousScheduler:
             self._running = running is not None
 
     def _prefill_into(self, running: GenerationBatch | None, requests: list[EngineRequest]):
-        batch = None
+        batch = running
         try:
-            batch = GenerationBatch(self.runner, requests, self.metrics)
-            self._deliver(batch.prefill())
+            if running is None:
+                batch = GenerationBatch(self.runner, requests, self.metrics)
+                self._deliver(batch.prefill())
+            else:
+                self._deliver(running.add(requests))
         except Exception as exc:
             log.exception("prefill of %d request(s) failed", len(requests))
-            self._deliver(batch.fail(exc) if batch is not None else fail_all(requests, exc))
+            self._deliver(fail_all(requests, exc))
             return running
-        if not batch:
-            return running
-        if running is None:
-            return batch
-        running.merge(batch)
-        return running
+        return batch if batch else None
 
     def _decode(self, running: GenerationBatch) -> GenerationBatch | None:
         try:

@@ -21,7 +21,8 @@ class EngineFull(Exception):
 
 class Engine:
     def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
-                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
+                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0,
+                 trie=None) -> None:
         self.runner = runner
         self.slots = slots
         self.max_queued_requests = max_queued_requests
@@ -29,13 +30,13 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.unfinished: set[QueuedRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
-        budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch)
+        budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed, runner.kv_tokens)
         if scheduler == "continuous":
             # One batch in flight: the continuous baseline uses the first slot only.
             self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)
         else:
             self.scheduler = FixedStepsBatcher(runner, slots, budget, self._deliver_threadsafe, self._loop,
-                                               self.metrics)
+                                               self.metrics, trie)
         self.metrics.add(Gauge("num_requests_waiting", "Sequences waiting for a batch.",
                                lambda: self.scheduler.num_waiting))
         self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",

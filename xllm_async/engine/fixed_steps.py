@@ -34,8 +34,9 @@ class FixedStepsBatcher:
     """
 
     def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
-                 loop: asyncio.AbstractEventLoop, metrics=None) -> None:
+                 loop: asyncio.AbstractEventLoop, metrics=None, trie=None) -> None:
         self.runner = runner
+        self.trie = trie  # the item table's trie: beam searches keep to its items
         self.budget = budget
         self.metrics = metrics
         self.waiting: deque[QueuedRequest] = deque()
@@ -218,8 +219,10 @@ class FixedStepsBatcher:
         started = time.perf_counter()
         prefill_seconds = 0.0
         try:
-            batch_type = BeamSearchBatch if isinstance(requests[0], BeamRequest) else GenerationBatch
-            batch = batch_type(self.runner, requests, self.metrics)
+            if isinstance(requests[0], BeamRequest):
+                batch = BeamSearchBatch(self.runner, requests, self.metrics, self.trie)
+            else:
+                batch = GenerationBatch(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             while batch:

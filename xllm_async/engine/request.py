@@ -74,6 +74,16 @@ class EngineRequest(QueuedRequest):
         """Forward steps it may take in its batch (one token each)."""
         return self.params.max_tokens
 
+    @property
+    def prefill_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens its cache row may reach (0: a single token needs no cache). The API
+        keeps prompt + max_tokens within the model's length."""
+        return len(self.prompt_ids) + self.params.max_tokens if self.params.max_tokens > 1 else 0
+
     def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         """Attach what stepping needs from the model (once, before the first step)."""
         self._detok = IncrementalDetokenizer(tokenizer)

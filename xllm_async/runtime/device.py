@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 
 import torch
 
@@ -102,3 +103,37 @@ class StreamBinding:
         if self.stream is None:
             return f"{self.device} with {torch.get_num_threads()} torch thread(s)"
         return f"{self.device} stream {self.stream}"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fast_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes it natively (AMX or AVX512-BF16: measured 3-5x faster prefills
+    than float32 on a Xeon with AMX), else float32 (bfloat16 emulated is slower than float32)."""
+    flags = cpu_flags()
+    fast = {"amx_bf16", "avx512_bf16"} & flags
+    dtype = torch.bfloat16 if fast else torch.float32
+    log.info("CPU dtype: %s (%s)", str(dtype).removeprefix("torch."),
+             "has " + ", ".join(sorted(fast)) if fast else "no AMX or AVX512-BF16")
+    return dtype
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The key/value cache when XLLM_KV_CACHE_BYTES is unset: 20% of host memory on CPU
+    (the arena is touched only as far as batches use it), half the free memory on accelerators
+    (measured after the weights are loaded)."""
+    accel = _accelerator(device)
+    if accel is None:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.2)
+    free, _ = accel.mem_get_info(device)
+    return int(free * 0.5)

@@ -1,5 +1,6 @@
-"""The model runner: loads a Hugging Face causal LM once and runs batched
-forwards over left-padded key/value caches. It knows tensors, not requests.
+"""The transformers engine: any Hugging Face causal LM our own model code does
+not cover, loaded once, batched forwards over left-padded key/value caches.
+Same interface as model_runner.ModelRunner.
 
 Left padding keeps every row's last real token in the last column, so a
 prefill computes logits for that one position only, and a decode step is one
@@ -9,6 +10,7 @@ between steps, which is all the continuous scheduler needs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -16,10 +18,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .host_memory import pack_weights
+from .model_runner import eos_ids, resolve_dtype
 
 log = logging.getLogger("xllm_async.model")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KvCache:
@@ -64,8 +65,12 @@ def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-class ModelRunner:
+class TransformersRunner:
     """One model, loaded once, shared read-only by every execution thread."""
+
+    engine = "transformers"
+    packed = False  # left-padded: a batch costs rows x its longest prompt
+    kv_tokens = 0  # caches grow as needed (no arena)
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
         started = time.monotonic()
@@ -74,7 +79,7 @@ class ModelRunner:
         log.info("loading weights from %s (dtype %s)", model_dir, dtype)
         config = AutoConfig.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=_DTYPES.get(dtype, "auto"), attn_implementation="sdpa"
+            model_dir, dtype=resolve_dtype(dtype, config, device), attn_implementation="sdpa"
         )
         log.info("moving weights to %s", device)
         self.model = model.to(device).eval()
@@ -85,23 +90,20 @@ class ModelRunner:
         self.config = config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
-        self.eos_token_ids = self._eos_ids(model)
+        self.eos_token_ids = eos_ids(self.tokenizer, getattr(model, "generation_config", None), model.config)
         self.pad_id = 0
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s, %s, vocab %d, context %d",
                  self.load_seconds, config.model_type, self.dtype, self.vocab_size, self.max_model_len)
 
-    def _eos_ids(self, model) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (getattr(model, "generation_config", None), model.config):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+    def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
+        """transformers' caches grow by concatenation; there is no arena to size."""
 
-    def prefill(self, prompts: list[list[int]], keep_cache: bool) -> tuple[torch.Tensor, KvCache | None]:
-        """Run the prompts; return last-position logits [rows, vocab] and, if asked, their cache."""
+    def prefill(self, prompts: list[list[int]], capacity: int = 0,
+                into: KvCache | None = None) -> tuple[torch.Tensor, KvCache | None]:
+        """Run the prompts; return last-position logits [rows, vocab] and, if asked
+        (capacity > 0 or into), their cache (into: merged below into's rows)."""
+        keep_cache = bool(capacity) or into is not None
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         pad = [self.pad_id] * width
@@ -116,7 +118,11 @@ class ModelRunner:
         logits = out.logits[:, -1, :].float()
         if not keep_cache:
             return logits, None
-        return logits, KvCache(cache, mask, positions[:, -1] + 1)
+        kv = KvCache(cache, mask, positions[:, -1] + 1)
+        if into is None:
+            return logits, kv
+        into.merge(kv)
+        return logits, into
 
     def decode(self, kv: KvCache, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
@@ -126,3 +132,39 @@ class ModelRunner:
                          cache=kv.cache, use_cache=True)
         kv.next_pos = kv.next_pos + 1
         return out.logits[:, -1, :].float()
+
+    # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
+
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int):
+        """Returns (logits [prompts, vocab] as the "hidden states", state); logits() slices them."""
+        logits, kv = self.prefill(prompts, capacity=1 if rounds > 1 else 0)
+        return logits, _CopiedBeams(kv, len(prompts))
+
+    def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
+        state.kv.select(parents)  # copies each parent's whole cache row, prompt included
+        state.widths = widths
+        return self.decode(state.kv, tokens)
+
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return hidden if tokens is None else hidden.index_select(1, tokens)
+
+
+class _CopiedBeams:
+    """Beam caches as whole rows, one per beam (one per prompt after the prefill)."""
+
+    __slots__ = ("kv", "widths")
+
+    def __init__(self, kv: KvCache | None, prompts: int) -> None:
+        self.kv = kv
+        self.widths = [1] * prompts
+
+    @property
+    def starts(self) -> list[int]:
+        return list(itertools.accumulate(self.widths, initial=0))
+
+    def keep(self, requests: list[int]) -> None:
+        starts = self.starts
+        rows = [b for r in requests for b in range(starts[r], starts[r + 1])]
+        self.widths = [self.widths[r] for r in requests]
+        if rows and self.kv is not None:
+            self.kv.select(rows)

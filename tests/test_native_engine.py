@@ -1,0 +1,145 @@
+"""Our own model code (xllm_async/model) against transformers, in float32:
+packed prompts of mixed lengths, the cache written in place, rows joining and
+leaving, and beams that share their prompt's cache against beams that copy it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm_async.engine.beam import BeamRequest, BeamSearchBatch
+from xllm_async.engine.budget import BatchBudget
+from xllm_async.engine.request import EngineRequest
+from xllm_async.engine.sampling import SamplingParams
+from xllm_async.model.llama import ModelShape
+
+from .test_generation import random_prompts
+
+
+@pytest.fixture(scope="module")
+def native(tiny_model_dir):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
+    runner.set_kv_cache(64 << 20, 1)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def copied(tiny_model_dir):
+    from xllm_async.runtime.hf_runner import TransformersRunner
+
+    return TransformersRunner(tiny_model_dir, torch.device("cpu"), "float32")
+
+
+def reference_logits(reference, sequence: list[int]) -> torch.Tensor:
+    return reference.model(torch.tensor([sequence])).logits[0, -1].float()
+
+
+def test_packed_prefill_and_decode_equal_transformers_on_mixed_lengths(native, reference):
+    prompts = random_prompts(11, [3, 40, 1, 17, 17, 17, 64])
+    with torch.inference_mode():
+        logits, kv = native.prefill(prompts, capacity=80)
+        sequences = [list(p) for p in prompts]
+        for step in range(3):
+            for row, seq in enumerate(sequences):
+                torch.testing.assert_close(logits[row], reference_logits(reference, seq), atol=2e-4, rtol=2e-4)
+            tokens = logits.argmax(-1).tolist()
+            sequences = [s + [t] for s, t in zip(sequences, tokens)]
+            logits = native.decode(kv, tokens)
+        # Rows leave (the last live row moves into the hole) and the rest step on exactly.
+        keep = [4, 0, 6]
+        kv.select(keep)
+        sequences = [sequences[r] for r in keep]
+        tokens = [logits[r].argmax().item() for r in keep]
+        sequences = [s + [t] for s, t in zip(sequences, tokens)]
+        logits = native.decode(kv, tokens)
+        for row, seq in enumerate(sequences):
+            torch.testing.assert_close(logits[row], reference_logits(reference, seq), atol=2e-4, rtol=2e-4)
+
+
+def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
+    first, second = random_prompts(12, [5, 9]), random_prompts(13, [30, 2, 12])
+    with torch.inference_mode():
+        logits, kv = native.prefill(first, capacity=12)
+        tokens = logits.argmax(-1).tolist()
+        sequences = [p + [t] for p, t in zip(first, tokens)]
+        logits = native.decode(kv, tokens)
+        joined, kv2 = native.prefill(second, capacity=40, into=kv)  # wider and more rows: the cache reshapes
+        assert kv2 is kv and kv.rows == 5 and kv.capacity >= 40
+        tokens = logits.argmax(-1).tolist() + joined.argmax(-1).tolist()
+        sequences = [s + [t] for s, t in zip(sequences, tokens[:2])] + [p + [t] for p, t in zip(second, tokens[2:])]
+        logits = native.decode(kv, tokens)
+        for row, seq in enumerate(sequences):
+            torch.testing.assert_close(logits[row], reference_logits(reference, seq), atol=2e-4, rtol=2e-4)
+
+
+def run_beams(runner, prompts, widths, rounds, trie=None):
+    requests = [BeamRequest(i, p, w, r, None) for i, (p, w, r) in enumerate(zip(prompts, widths, rounds))]
+    batch = BeamSearchBatch(runner, requests, trie=trie)
+    results = {}
+    with torch.inference_mode():
+        items = batch.prefill()
+        while True:
+            for req, delta in items:
+                results[req.index] = [(b.token_ids, round(b.cumulative_logprob, 3)) for b in delta.beams]
+            if not batch:
+                break
+            items = batch.decode()
+    return [results[i] for i in range(len(prompts))]
+
+
+def test_shared_prompt_beams_equal_copied_prompt_beams(native, copied):
+    """Requests of different widths and rounds in one batch, some finishing early."""
+    prompts = random_prompts(14, [25, 7, 60, 3])
+    widths, rounds = [8, 16, 3, 5], [3, 2, 4, 1]
+    assert run_beams(native, prompts, widths, rounds) == run_beams(copied, prompts, widths, rounds)
+
+
+def test_item_constrained_beams_agree_on_both_engines(native, copied):
+    from xllm_async.engine.item_trie import ItemTrie
+
+    from .test_beam_search import ITEMS
+
+    trie = ItemTrie(ITEMS, torch.device("cpu"))
+    prompts = random_prompts(15, [20, 33])
+    found = run_beams(native, prompts, [16, 8], [3, 3], trie)
+    assert found == run_beams(copied, prompts, [16, 8], [3, 3], trie)
+    assert all(tuple(tokens) in set(ITEMS) for beams in found for tokens, _ in beams)
+    assert [len(beams) for beams in found] == [16, 8]
+
+
+def test_item_trie_rejects_mixed_lengths_and_masks_by_prefix():
+    from xllm_async.engine.item_trie import ItemTrie
+
+    with pytest.raises(ValueError):
+        ItemTrie([(1, 2), (3,)], torch.device("cpu"))
+    trie = ItemTrie([(1, 2), (1, 3), (4, 2)], torch.device("cpu"))
+    assert trie.vocab[0].tolist() == [1, 4] and trie.vocab[1].tolist() == [2, 3]
+    one, four = trie.step(0, 1), trie.step(0, 4)
+    assert trie.allowed(1, [one, four]).tolist() == [[True, True], [True, False]]
+
+
+def test_budget_counts_packed_tokens_a_beam_prompt_once_and_the_cache_rectangle():
+    params = SamplingParams(max_tokens=100)
+    reqs = [EngineRequest(i, [0] * n, params, None) for i, n in enumerate([300, 20, 20, 20])]
+    from collections import deque
+
+    # Packed: 300 + 20 + 20 fit 350 tokens; padded they would cost 3 x 300.
+    assert BatchBudget(8, 350, packed=True).take(deque(reqs)) == reqs[:3]
+    assert BatchBudget(8, 350, packed=False).take(deque(reqs)) == reqs[:1]
+    # The cache holds rows x the longest row's prompt + max_tokens: 2 x 400 fit 900, 3 x 400 do not.
+    assert BatchBudget(8, 10_000, packed=True, kv_tokens=900).take(deque(reqs)) == reqs[:2]
+    wide = [BeamRequest(i, [0] * 1000, 64, 3, None) for i in range(3)]
+    assert len(BatchBudget(256, 8192, packed=True).take(deque(wide))) == 3  # 3 x (1000 + 128), not 3 x 64,000
+
+
+def test_families_we_run_and_those_left_to_transformers():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    assert ModelShape(LlamaConfig(num_hidden_layers=1)).unsupported() is None
+    shape = ModelShape(Qwen2Config(num_hidden_layers=1))
+    assert shape.unsupported() is None and shape.qkv_bias and not shape.qk_norm
+    assert "mistral" in ModelShape(MistralConfig(num_hidden_layers=1)).unsupported()
+    scaled = LlamaConfig(num_hidden_layers=1, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert "yarn" in (ModelShape(scaled).unsupported() or "yarn")

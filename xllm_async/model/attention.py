@@ -1,0 +1,166 @@
+"""Attention for the three kinds of forward the engine runs. Each forward gets
+one of these context objects (built once, shared by every layer), so the model
+code says only what the model computes; the bookkeeping lives here.
+
+- PackedPrefill: prompts concatenated without padding, causal attention per
+  sequence (equal-length neighbours run as one call), keys written to the cache.
+- Decode: one new token per row against its slab of the cache (a view).
+- BeamDecode: the beams of a request share its prompt's keys, stored once; each
+  round attends to the prompt once for all beams (one batched product), then to
+  each beam's own few tokens, and merges the two by log-sum-exp (xGR's staged
+  attention; Hydragen and FlashInfer's cascade do the same).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import SlabCache
+
+
+def _softmax_attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ values, and the log-sum-exp of the scores (for merging)."""
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = (scores - peak).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights, values) / total
+    return out, peak + total.log()
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Two partial attentions over disjoint keys -> attention over all of them."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * (lse_a - lse).exp() + out_b * (lse_b - lse).exp()
+
+
+class PackedPrefill:
+    """Prompts packed end to end: positions restart at 0 for every sequence."""
+
+    __slots__ = ("lengths", "groups", "positions", "last", "cache", "first_row", "last_only")
+
+    def __init__(self, lengths: list[int], device: torch.device, cache: SlabCache | None = None,
+                 first_row: int = 0) -> None:
+        self.lengths = lengths
+        # Runs of equal lengths (start token, count, length): one attention call each.
+        self.groups: list[tuple[int, int, int]] = []
+        start = 0
+        for n in lengths:
+            if self.groups and self.groups[-1][2] == n:
+                s, count, _ = self.groups[-1]
+                self.groups[-1] = (s, count + 1, n)
+            else:
+                self.groups.append((start, 1, n))
+            start += n
+        self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        ends = torch.tensor(lengths).cumsum(0)
+        self.last = (ends - 1).to(device)  # each sequence's last token in the packed rows
+        self.cache = cache
+        self.first_row = first_row
+        self.last_only = False  # set by the model for its last layer: only last tokens' outputs matter
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens (or sequences), heads * dim]."""
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k.shape[1]
+        outs = []
+        row = self.first_row
+        for start, count, length in self.groups:
+            end = start + count * length
+            kg = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+            vg = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+            if self.cache is not None:
+                keys, values = self.cache.keys(layer), self.cache.values(layer)
+                keys[row:row + count, :, :length] = kg
+                values[row:row + count, :, :length] = vg
+                kg, vg = keys[row:row + count, :, :length], values[row:row + count, :, :length]
+            qg = q[start:end].view(count, length, heads, dim)
+            if self.last_only:
+                out = F.scaled_dot_product_attention(qg[:, -1:].transpose(1, 2), kg, vg, scale=scale,
+                                                     enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, is_causal=True, scale=scale,
+                                                     enable_gqa=True)
+            outs.append(out.transpose(1, 2).reshape(-1, heads * dim))
+            row += count
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class Decode:
+    """One token per live row of a SlabCache: its keys go to position lengths[row]."""
+
+    __slots__ = ("cache", "positions", "rows", "span", "mask")
+
+    def __init__(self, cache: SlabCache) -> None:
+        self.cache = cache
+        self.rows = cache.rows
+        self.positions = cache.lengths[:self.rows].clone()
+        self.span = cache.max_length + 1  # the keys a step reads: up to the longest row's new token
+        if bool((self.positions == cache.max_length).all()):
+            self.mask = None  # every row is as long as the longest: nothing to hide
+        else:
+            reach = torch.arange(self.span, device=self.positions.device)
+            hidden = reach[None, :] > self.positions[:, None]
+            self.mask = torch.zeros(hidden.shape, dtype=cache.slabs.dtype,
+                                    device=hidden.device).masked_fill_(hidden, float("-inf"))[:, None, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        rows, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        index = torch.arange(rows, device=q.device)
+        keys, values = self.cache.keys(layer), self.cache.values(layer)
+        keys[index, :, self.positions] = k
+        values[index, :, self.positions] = v
+        # Grouped-query attention without repeating keys: the heads sharing a key head
+        # are one matrix of queries against it.
+        qg = q.view(rows, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(qg, keys[:rows, :, :self.span].transpose(-1, -2)).mul_(scale)
+        if self.mask is not None:
+            scores += self.mask
+        out = torch.matmul(scores.softmax(dim=-1), values[:rows, :, :self.span])
+        return out.view(rows, heads * dim)
+
+
+class BeamDecode:
+    """A round of beam search: `beams` rows, beams of request i are rows
+    [starts[i], starts[i + 1]) and share prompt row i of the prompt cache; their
+    own keys live in `own` [layers, 2, beams, kv_heads, rounds, dim] at index step."""
+
+    __slots__ = ("prompts", "prompt_lengths", "starts", "own", "step", "positions")
+
+    def __init__(self, prompts: SlabCache, prompt_lengths: list[int], starts: list[int], own: torch.Tensor,
+                 step: int, device: torch.device) -> None:
+        self.prompts = prompts
+        self.prompt_lengths = prompt_lengths
+        self.starts = starts
+        self.own = own
+        self.step = step
+        widths = [b - a for a, b in zip(starts, starts[1:])]
+        self.positions = torch.tensor([n + step for n, w in zip(prompt_lengths, widths) for _ in range(w)],
+                                      device=device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        beams, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        own_keys, own_values = self.own[layer, 0, :beams], self.own[layer, 1, :beams]  # fewer may live than fit
+        own_keys[:, :, self.step] = k
+        own_values[:, :, self.step] = v
+        qg = q.view(beams, kv_heads, group, dim)
+        # Stage 2 first (it is one call for every beam): each beam against its own tokens.
+        scores = torch.matmul(qg, own_keys[:, :, :self.step + 1].transpose(-1, -2)).mul_(scale)
+        own_out, own_lse = _softmax_attend(scores, own_values[:, :, :self.step + 1])
+        # Stage 1: all beams of a request against its prompt, one product per request:
+        # [kv_heads, beams x group, dim] @ [kv_heads, dim, prompt].
+        prompt_keys, prompt_values = self.prompts.keys(layer), self.prompts.values(layer)
+        outs = []
+        for row, (first, end) in enumerate(zip(self.starts, self.starts[1:])):
+            width, length = end - first, self.prompt_lengths[row]
+            qr = qg[first:end].permute(1, 0, 2, 3).reshape(kv_heads, width * group, dim)
+            scores = torch.matmul(qr, prompt_keys[row, :, :length].transpose(-1, -2)).mul_(scale)
+            out, lse = _softmax_attend(scores, prompt_values[row, :, :length])
+            merged = _merge(out, lse, own_out[first:end].permute(1, 0, 2, 3).reshape(kv_heads, width * group, dim),
+                            own_lse[first:end].permute(1, 0, 2, 3).reshape(kv_heads, width * group, 1))
+            outs.append(merged.view(kv_heads, width, group, dim).permute(1, 0, 2, 3))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(beams, heads * dim)

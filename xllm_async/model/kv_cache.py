@@ -1,0 +1,141 @@
+"""Key/value storage: one arena per execution slot, allocated once; a batch's
+cache is a rectangular view of it (rows x capacity tokens), written in place.
+
+Why a rectangle of per-sequence slabs and not pages: on a CPU, decode attention
+over a slab is a view (no gather), so a step reads each cached key once. A row
+keeps its slab for its whole life; rows that finish are replaced by the last
+live row (one row copied), so the live rows are always the first `rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KvLayout:
+    """The shape facts of one model's cache: what a token costs."""
+
+    __slots__ = ("layers", "kv_heads", "head_dim", "dtype")
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.layers = layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+
+    @property
+    def token_elements(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim
+
+    @property
+    def token_bytes(self) -> int:
+        return self.token_elements * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KvArena:
+    """The cache memory of one execution slot: `tokens` token slots, allocated on
+    first use by that slot's thread and reused by every batch it runs."""
+
+    __slots__ = ("layout", "tokens", "device", "_buffer")
+
+    def __init__(self, layout: KvLayout, tokens: int, device: torch.device) -> None:
+        self.layout = layout
+        self.tokens = tokens
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+
+    def view(self, row_capacity: int, capacity: int) -> torch.Tensor:
+        """[layers, 2, row_capacity, kv_heads, capacity, head_dim] over the arena's start."""
+        if row_capacity * capacity > self.tokens:
+            raise MemoryError(f"a cache of {row_capacity} x {capacity} tokens exceeds the slot's {self.tokens}")
+        if self._buffer is None:
+            lay = self.layout
+            self._buffer = torch.empty(self.tokens * lay.token_elements, dtype=lay.dtype, device=self.device)
+        lay = self.layout
+        size = row_capacity * capacity * lay.token_elements
+        return self._buffer[:size].view(lay.layers, 2, row_capacity, lay.kv_heads, capacity, lay.head_dim)
+
+
+class SlabCache:
+    """The cache of one batch: `rows` live sequences, each with `lengths[row]`
+    tokens stored in its slab of `capacity` tokens."""
+
+    __slots__ = ("arena", "slabs", "rows", "lengths", "_max_length")
+
+    def __init__(self, arena: KvArena, row_capacity: int, capacity: int) -> None:
+        self.arena = arena
+        self.slabs = arena.view(row_capacity, capacity)
+        self.rows = 0
+        self.lengths = torch.zeros(row_capacity, dtype=torch.long, device=arena.device)
+        self._max_length = 0
+
+    @property
+    def row_capacity(self) -> int:
+        return self.slabs.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.slabs.shape[4]
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.slabs[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.slabs[layer, 1]
+
+    def add_rows(self, lengths: list[int], need_capacity: int) -> int:
+        """Claim rows for new sequences of these lengths (their keys are written by
+        the prefill) that will grow to need_capacity tokens at most; returns the
+        first new row. Grows the rectangle when needed."""
+        first = self.rows
+        need_rows = first + len(lengths)
+        if need_rows > self.row_capacity or need_capacity > self.capacity:
+            capacity = max(need_capacity, self.capacity)
+            # Room for as many rows again (continuous batches keep growing), as far as the arena allows.
+            rows = max(need_rows, min(2 * self.row_capacity, self.arena.tokens // capacity))
+            self._reshape(rows, capacity)
+        self.lengths[first:need_rows] = torch.tensor(lengths, dtype=torch.long)
+        self.rows = need_rows
+        self._max_length = max(self._max_length, max(lengths))
+        return first
+
+    def step(self) -> None:
+        """Every live row gained one token (a decode step wrote it)."""
+        self.lengths[:self.rows] += 1
+        self._max_length += 1
+
+    def ensure_room(self) -> None:
+        """Room for one more token in every row; admission sizes batches so that this
+        only grows the rectangle when the arena has the room."""
+        if self._max_length >= self.capacity:
+            self._reshape(self.row_capacity, self.capacity * 2)
+            if self._max_length >= self.capacity:
+                raise MemoryError(f"the slot's key/value cache ({self.arena.tokens} tokens) is full")
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order, as rows 0..len-1."""
+        if rows == list(range(len(rows))):
+            self.rows = len(rows)
+        else:
+            index = torch.tensor(rows, device=self.slabs.device)
+            self.slabs[:, :, :len(rows)] = self.slabs[:, :, index]
+            self.lengths[:len(rows)] = self.lengths[index]
+            self.rows = len(rows)
+        self._max_length = int(self.lengths[:self.rows].max()) if self.rows else 0
+
+    def _reshape(self, row_capacity: int, capacity: int) -> None:
+        # The arena is one buffer: copy what lives out, re-view it, copy back (only when a
+        # batch outgrows its rectangle, never per step).
+        capacity = min(capacity, self.arena.tokens // row_capacity)
+        if capacity < self._max_length:
+            raise MemoryError(f"the slot's key/value cache ({self.arena.tokens} tokens) is full")
+        old = self.slabs[:, :, :self.rows, :, :self._max_length].clone()
+        lengths = self.lengths[:self.rows].clone()
+        self.slabs = self.arena.view(row_capacity, capacity)
+        self.slabs[:, :, :self.rows, :, :self._max_length] = old
+        self.lengths = torch.zeros(row_capacity, dtype=torch.long, device=self.arena.device)
+        self.lengths[:self.rows] = lengths

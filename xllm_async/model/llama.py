@@ -1,0 +1,124 @@
+"""The Llama family as a server runs it: Llama (SmolLM2), Qwen2 and Qwen3.
+
+They differ in three switches: Qwen2 has biases on q/k/v, Qwen3 normalises
+each head's queries and keys, Llama may have biases anywhere. Everything else
+(fused QKV, fused gate/up, rotary halves, RMSNorm, tied embeddings) is shared.
+A forward takes packed token rows and an attention context (attention.py)
+and returns the final hidden states of the rows that need logits; the LM head
+is a separate call so that beam search can compute only the tokens it may take.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import GatedMlp, RMSNorm, RotaryEmbedding, apply_rotary
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+class ModelShape:
+    """What the code needs from config.json, read once."""
+
+    def __init__(self, config) -> None:
+        self.family = config.model_type
+        self.hidden = config.hidden_size
+        self.layers = config.num_hidden_layers
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.intermediate = config.intermediate_size
+        self.vocab = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.max_positions = config.max_position_embeddings
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        self.rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        self.rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        self.qkv_bias = self.family == "qwen2" or bool(getattr(config, "attention_bias", False))
+        self.o_bias = self.family == "llama" and bool(getattr(config, "attention_bias", False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = self.family == "qwen3"
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def unsupported(self) -> str | None:
+        """Why our code cannot run this config (None: it can)."""
+        if self.family not in FAMILIES:
+            return f"model type {self.family!r} is not one of {', '.join(FAMILIES)}"
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
+        if kind not in (None, "default", "llama3"):
+            return f"rope scaling {kind!r} is not implemented"
+        if self.heads % self.kv_heads:
+            return "attention heads are not a multiple of key/value heads"
+        return None
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(shape.hidden, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o = nn.Linear(self.q_size, shape.hidden, bias=shape.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o(ctx.attend(self.layer, q, k, v, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, layer: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(shape.hidden, shape.eps)
+        self.attn = Attention(shape, layer)
+        self.post_attention_norm = RMSNorm(shape.hidden, shape.eps)
+        self.mlp = GatedMlp(shape.hidden, shape.intermediate, shape.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, keep=None) -> torch.Tensor:
+        attn = self.attn(self.input_norm(x), cos, sin, ctx)
+        if keep is not None:  # the last layer of a prefill: only the rows that need logits go on
+            x = x[keep]
+        x = x + attn
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm; logits() is the LM head."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(shape.vocab, shape.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.layers))
+        self.norm = RMSNorm(shape.hidden, shape.eps)
+        self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta, shape.rope_scaling)
+        self.lm_head = self.embed.weight if shape.tied else nn.Parameter(torch.empty(shape.vocab, shape.hidden))
+
+    def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
+        """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
+        x = self.embed(tokens)
+        cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
+        last = self.layers[-1]
+        for layer in self.layers[:-1]:
+            x = layer(x, cos, sin, ctx)
+        keep = getattr(ctx, "last", None)
+        if keep is not None:
+            ctx.last_only = True
+        x = last(x, cos, sin, ctx, keep)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [rows, vocab], or [rows, len(tokens)] over only these token ids."""
+        weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
+        return torch.matmul(hidden, weight.t()).float()

@@ -1,0 +1,218 @@
+"""The model runner: loads a model once and runs batched forwards for every
+execution slot. It knows tensors and token ids, not requests.
+
+Two engines sit behind one interface (prefill, decode, the beam calls):
+- ModelRunner: our own model code (xllm_async/model) for the Llama family
+  (Llama, Qwen2, Qwen3): prompts packed without padding, keys and values written
+  in place into each slot's arena, the LM head a separate call;
+- TransformersRunner (hf_runner.py): any other causal LM through transformers,
+  left-padded, as before.
+load_runner() picks one and says which in the log.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from ..model.attention import BeamDecode, Decode, PackedPrefill
+from ..model.kv_cache import KvArena, KvLayout, SlabCache
+from ..model.llama import ModelShape
+from ..model.loader import load_model
+from .device import default_kv_cache_bytes, fast_cpu_dtype
+from .host_memory import pack_weights
+
+log = logging.getLogger("xllm_async.model")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """auto: on CPU the fastest the CPU has (device.fast_cpu_dtype), elsewhere the checkpoint's own."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return fast_cpu_dtype()
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return DTYPES.get(str(own).removeprefix("torch."), torch.float32)
+
+
+def eos_ids(tokenizer, *sources) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class ModelRunner:
+    """Our own model code, loaded once, shared read-only by every execution thread;
+    each thread keeps its own key/value arena (allocated once, on first use)."""
+
+    engine = "native"
+    packed = True  # prompts cost their own tokens, not the longest one's
+
+    def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
+        started = time.monotonic()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.config = AutoConfig.from_pretrained(model_dir)
+        self.device = device
+        self.dtype = resolve_dtype(dtype, self.config, device)
+        log.info("loading weights from %s (%s)", model_dir, self.dtype)
+        self.model = load_model(model_dir, self.config, device, self.dtype)
+        # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
+        self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
+        shape = self.model.shape
+        self.vocab_size = shape.vocab
+        self.max_model_len = int(shape.max_positions or 2048)
+        generation = _generation_config(model_dir)
+        self.eos_token_ids = eos_ids(self.tokenizer, generation, self.config)
+        self.kv_layout = KvLayout(shape.layers, shape.kv_heads, shape.head_dim, self.dtype)
+        self.kv_tokens = 0  # per slot, set by set_kv_cache()
+        self._local = threading.local()
+        self.load_seconds = time.monotonic() - started
+        log.info("model ready in %.1f s: %s on our own model code, %s, vocab %d, context %d",
+                 self.load_seconds, shape.family, self.dtype, self.vocab_size, self.max_model_len)
+
+    def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
+        """Size every slot's arena: total_bytes (None: the device's default) shared by the slots."""
+        total = total_bytes or default_kv_cache_bytes(self.device)
+        self.kv_tokens = total // slots // self.kv_layout.token_bytes
+        log.info("key/value cache: %d slot(s) x %d tokens (%.0f MiB each, %d bytes a token)", slots,
+                 self.kv_tokens, self.kv_tokens * self.kv_layout.token_bytes / 2**20, self.kv_layout.token_bytes)
+
+    def _arena(self) -> KvArena:
+        arena = getattr(self._local, "arena", None)
+        if arena is None:
+            if not self.kv_tokens:
+                self.set_kv_cache(None, 1)
+            arena = self._local.arena = KvArena(self.kv_layout, self.kv_tokens, self.device)
+        return arena
+
+    def _ids(self, tokens) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long).to(self.device)
+
+    def prefill(self, prompts: list[list[int]], capacity: int = 0,
+                into: SlabCache | None = None) -> tuple[torch.Tensor, SlabCache | None]:
+        """Run the prompts packed; return last-position logits [rows, vocab] and the cache.
+
+        capacity > 0 keeps their keys in a cache with room for that many tokens a row;
+        into appends them as new rows of an existing cache (the continuous scheduler).
+        """
+        lengths = [len(p) for p in prompts]
+        cache, first = into, 0
+        if capacity or into is not None:
+            capacity = max(capacity, max(lengths))
+            if cache is None:
+                cache = SlabCache(self._arena(), len(prompts), capacity)
+            first = cache.add_rows(lengths, capacity)
+        ctx = PackedPrefill(lengths, self.device, cache, first)
+        hidden = self.model(self._ids(list(itertools.chain.from_iterable(prompts))), ctx)
+        return self.model.logits(hidden), cache
+
+    def decode(self, kv: SlabCache, tokens: list[int]) -> torch.Tensor:
+        """Feed one token per row; return the next logits [rows, vocab]."""
+        kv.ensure_room()
+        hidden = self.model(self._ids(tokens), Decode(kv))
+        kv.step()
+        return self.model.logits(hidden)
+
+    # --- beam search (engine/beam.py): the prompt's keys once, each beam's own tokens apart ---
+
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int):
+        """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
+        widths: the most beams each request will have; rounds: the most rounds any request runs."""
+        lengths = [len(p) for p in prompts]
+        cache = None
+        if rounds > 1:
+            cache = SlabCache(self._arena(), len(prompts), max(lengths))
+            cache.add_rows(lengths, max(lengths))
+        hidden = self.model(self._ids(list(itertools.chain.from_iterable(prompts))),
+                            PackedPrefill(lengths, self.device, cache))
+        return hidden, BeamState(cache, lengths, sum(widths), rounds, self.kv_layout, self.device)
+
+    def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
+        """One round: every live beam's last token in; final hidden states [beams, hidden] out.
+        parents[i]: the row of the last round that beam i continues; widths: live beams per request."""
+        state.follow(parents, widths)
+        ctx = BeamDecode(state.prompts, state.lengths, state.starts, state.own, state.step, self.device)
+        hidden = self.model(self._ids(tokens), ctx)
+        state.step += 1
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head over the whole vocabulary, or over only these token ids."""
+        return self.model.logits(hidden, tokens)
+
+
+class BeamState:
+    """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
+    row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
+    the tokens the beams generated. Reordering beams moves only `own`.
+
+    widths/starts: the rows each request had in the last round fed (one, its
+    prompt, after the prefill).
+    """
+
+    __slots__ = ("prompts", "lengths", "widths", "starts", "own", "step")
+
+    def __init__(self, prompts: SlabCache | None, lengths: list[int], beams: int, rounds: int,
+                 layout: KvLayout, device: torch.device) -> None:
+        self.prompts = prompts
+        self.lengths = lengths
+        self.widths = [1] * len(lengths)
+        self.starts = list(range(len(lengths) + 1))
+        self.own = torch.empty(layout.layers, 2, beams, layout.kv_heads, max(rounds - 1, 1), layout.head_dim,
+                               dtype=layout.dtype, device=device)
+        self.step = 0  # own tokens every beam has stored
+
+    def follow(self, parents: list[int], widths: list[int]) -> None:
+        """The new beams continue these rows of the last round: their own keys move with them."""
+        if self.step and parents != list(range(len(parents))):
+            index = torch.tensor(parents, device=self.own.device)
+            self.own[:, :, :len(parents), :, :self.step] = self.own[:, :, index, :, :self.step]
+        self.widths = widths
+        self.starts = list(itertools.accumulate(widths, initial=0))
+
+    def keep(self, requests: list[int]) -> None:
+        """Keep only these requests (indices, in order): their prompt rows and their beams."""
+        rows = [b for r in requests for b in range(self.starts[r], self.starts[r + 1])]
+        if self.prompts is not None:
+            self.prompts.select(requests)
+        if self.step and rows != list(range(len(rows))):
+            index = torch.tensor(rows, device=self.own.device)
+            self.own[:, :, :len(rows), :, :self.step] = self.own[:, :, index, :, :self.step]
+        self.lengths = [self.lengths[r] for r in requests]
+        self.widths = [self.widths[r] for r in requests]
+        self.starts = list(itertools.accumulate(self.widths, initial=0))
+
+
+def _generation_config(model_dir: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def load_runner(model_dir: str, device: torch.device, dtype: str = "auto", engine: str = "auto"):
+    """Our own model code where it supports the model (engine auto or native), else transformers."""
+    from .hf_runner import TransformersRunner
+
+    config = AutoConfig.from_pretrained(model_dir)
+    why_not = ModelShape(config).unsupported()
+    if engine == "native" and why_not:
+        raise ValueError(f"XLLM_ENGINE=native cannot run {model_dir}: {why_not}")
+    if engine == "transformers" or why_not:
+        log.info("engine: transformers (%s)", why_not or "XLLM_ENGINE=transformers")
+        return TransformersRunner(model_dir, device, dtype)
+    log.info("engine: native (%s)", config.model_type)
+    return ModelRunner(model_dir, device, dtype)
