@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", help="a sweep CSV of one replica (perf/sweep.py writes sweep.csv)")
     parser.add_argument("--rate", type=float, required=True, help="requests a second the fleet must serve")
-    parser.add_argument("--p99-ms", type=float, required=True, help="latency target in ms")
+    parser.add_argument("--p99-ms", "--latency-ms", dest="latency_ms", type=float, required=True,
+                        help="latency target in ms (of --latency-column)")
     parser.add_argument("--config", help="the sweep configuration to read (default: the file's first)")
     parser.add_argument("--latency-column", default="p99_e2e_ms",
                         help="CSV column held to the target (p99_e2e_ms; p99_ttft_ms, median_e2e_ms, ...)")
@@ -113,15 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{config}, one replica ({args.latency_column}):")
     for p in points:
         print(f"  concurrency {p.concurrency:>4}: {p.rate:9.1f} req/s at {p.latency_ms:8.1f} ms")
-    per_replica = rate_within(points, args.p99_ms)
+    per_replica = rate_within(points, args.latency_ms)
     if args.plot:
-        plot(points, args.rate, args.p99_ms, args.latency_column, args.plot)
+        plot(points, args.rate, args.latency_ms, args.latency_column, args.plot)
         print(f"plot: {args.plot}")
     if per_replica <= 0:
-        print(f"no measured concurrency keeps {args.latency_column} <= {args.p99_ms:g} ms: no number of replicas does")
+        print(f"no measured concurrency keeps {args.latency_column} <= {args.latency_ms:g} ms: "
+              "no number of replicas does")
         return 1
     n = math.ceil(args.rate / per_replica)
-    print(f"one replica: {per_replica:.1f} req/s within {args.p99_ms:g} ms")
+    print(f"one replica: {per_replica:.1f} req/s within {args.latency_ms:g} ms")
     print(f"{args.rate:g} req/s: {n} replicas, {n + 1} to keep it through a rolling restart")
     return 0
 
