@@ -216,3 +216,15 @@ def test_a_bad_item_table_stops_start_up_with_one_line(tiny_model_dir, tmp_path)
                            "--item-table", str(bad)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "XLLM_ITEM_TABLE" in proc.stderr and ":1:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_beam_metrics_count_prompts_beams_and_items(item_server):
+    from .test_observability import sample_value, scrape
+
+    before = sample_value(scrape(item_server.port), "xllm:beam_requests", "xllm:beam_requests_total")
+    status, body, _ = beam_request(item_server.port, [5, 6, 7], 4, 2, 3)
+    assert status == 200
+    families = scrape(item_server.port)
+    assert sample_value(families, "xllm:beam_requests", "xllm:beam_requests_total") == before + 1
+    assert sample_value(families, "xllm:beams_per_request", "xllm:beams_per_request_sum") >= 4
+    assert sample_value(families, "xllm:items_returned_per_request", "xllm:items_returned_per_request_sum") >= 2

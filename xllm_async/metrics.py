@@ -135,6 +135,11 @@ class Metrics:
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.finished = Counter("request_success_total", "Sequences finished, by reason.", ("finished_reason",))
         self.http = Counter("http_requests_total", "HTTP responses, by status code.", ("status",))
+        self.beam_requests = Counter("beam_requests_total", "Beam-search (recommendation) prompts answered.")
+        self.beams = Histogram("beams_per_request", "beam_width of each beam-search prompt.", SIZE_BUCKETS)
+        self.items = Histogram("items_returned_per_request",
+                               "Sequences (items, with an item table) returned for each beam-search prompt.",
+                               (0, *SIZE_BUCKETS))
         self._extra: list = []
         if not enabled:
             off = _Off()
@@ -160,6 +165,7 @@ class Metrics:
     def render(self) -> bytes:
         lines: list[str] = []
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prefill, self.decode, self.batch_size,
-                       self.fill, self.prompt_tokens, self.generation_tokens, self.finished, self.http, *self._extra):
+                       self.fill, self.prompt_tokens, self.generation_tokens, self.finished, self.http,
+                       self.beam_requests, self.beams, self.items, *self._extra):
             lines.extend(metric.render())
         return ("\n".join(lines) + "\n").encode()

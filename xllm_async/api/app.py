@@ -188,8 +188,14 @@ class OpenAIApp:
     def _chosen_beams(self, beams: list, spec: GenerationSpec) -> list[list[tuple]]:
         count = spec.num_return_sequences
         if self.items is None:
-            return [[(b, None) for b in found[:count]] for found in beams]
-        return [self.items.select(found, count) for found in beams]
+            chosen = [[(b, None) for b in found[:count]] for found in beams]
+        else:
+            chosen = [self.items.select(found, count) for found in beams]
+        for answer in chosen:
+            self.metrics.beam_requests.inc()
+            self.metrics.beams.observe(spec.beam_width)
+            self.metrics.items.observe(len(answer))
+        return chosen
 
     @staticmethod
     async def _stream(stream: OutputStream, shape, choices: list[Choice], timer: _LatencyTimer,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from .batch import GenerationBatch, fail_all
 from .beam import BeamRequest, BeamSearchBatch
 from .budget import BatchBudget
-from .request import QueuedRequest
+from .request import EngineRequest, QueuedRequest
 
 log = logging.getLogger("xllm_async.scheduler")
 SHORT_BATCH_STEPS = 4  # a batch of at most this many tokens per sequence is prefill-bound: short
@@ -31,6 +31,12 @@ class FixedStepsBatcher:
     free and there is nothing to wait for, add() starts the batch itself. The
     slot thread runs prefill and every decode round, delivering each step's
     tokens as they exist, then frees itself.
+
+    Long generations do not make new requests wait for a whole batch: while
+    every slot is busy, generation requests that arrive join a running
+    generation batch of more than SHORT_BATCH_STEPS steps at its next step
+    (_join), as under the continuous scheduler. Short, prefill-heavy batches
+    (recommendation, scoring) and beam searches keep running to completion.
     """
 
     def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
@@ -56,10 +62,13 @@ class FixedStepsBatcher:
         self._num_slots = len(slots)
         self._filling = False  # _run holds a slot while its batch fills
         self._task: asyncio.Task | None = None
+        # slot index -> requests handed to its running long generation batch: the loop appends,
+        # only that slot's thread pops (at a step boundary), and _release puts what is left back.
+        self._joining: dict[int, deque[QueuedRequest]] = {}
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(len(q) for q in self._joining.values())
 
     @property
     def busy_slots(self) -> int:
@@ -76,8 +85,18 @@ class FixedStepsBatcher:
         # on a lone request's latency.
         if self._idle and not self._filling and not self._worth_filling(self.busy_slots):
             self._start(self._idle.pop())
+        elif not self._idle and not self._filling and self._joining:
+            self._join()
         if self.waiting:
             self._arrived.set()
+
+    def _join(self) -> None:
+        """Every slot is busy: hand the generation requests at the front of the queue to the
+        running long generation batch with the fewest sequences (it prefills them at its next
+        step). A beam search at the front stops the hand-over: it waits for a slot of its own."""
+        while self.waiting and isinstance(self.waiting[0], EngineRequest):
+            slot_index = min(self._joining, key=lambda i: self._running[i][0] + len(self._joining[i]))
+            self._joining[slot_index].append(self.waiting.popleft())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -102,7 +121,10 @@ class FixedStepsBatcher:
         if not batch:  # everything that waited was aborted
             self._idle.append(slot)
             return
-        self._running[slot.index] = (len(batch), max(r.max_steps for r in batch))
+        steps = max(r.max_steps for r in batch)
+        self._running[slot.index] = (len(batch), steps)
+        if steps > SHORT_BATCH_STEPS and isinstance(batch[0], EngineRequest):
+            self._joining[slot.index] = deque()
         slot.submit(functools.partial(self._run_to_completion, slot, batch))
 
     def _worth_filling(self, others_busy: int) -> bool:
@@ -196,6 +218,9 @@ class FixedStepsBatcher:
 
     def _release(self, slot, size: int, prefill_seconds: float) -> None:
         self._running.pop(slot.index, None)
+        left = self._joining.pop(slot.index, None)
+        if left:  # handed over too late for the batch that ended: first in line again
+            self.waiting.extendleft(reversed(left))
         self._last_batch = (size, prefill_seconds)
         self._returning += size
         self._released_at = self._loop.time()
@@ -225,11 +250,20 @@ class FixedStepsBatcher:
                 batch = GenerationBatch(self.runner, requests, self.metrics)
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
+            joining = self._joining.get(slot.index)
             while batch:
+                if joining:
+                    new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
+                    if new:
+                        requests = requests + new  # answered with the batch if a forward fails
+                        self._deliver(batch.add(new))
+                        if not batch:
+                            break
                 self._deliver(batch.decode())
         except Exception as exc:
             log.exception("slot %d: batch of %d failed", slot.index, len(requests))
-            self._deliver(batch.fail(exc) if batch is not None else fail_all(requests, exc))
+            # Every request not yet answered, those that were joining included.
+            self._deliver(fail_all([r for r in requests if r.finish_reason is None], exc))
         finally:
             slot.busy_seconds += time.perf_counter() - started
             slot.batches_run += 1
