@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,6 +56,13 @@ def slot_held(server, body=HOLDER):
         future = ThreadPoolExecutor(1).submit(call, server, body)
         server.hold.wait_held("prefill")
         yield future
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a reset, as a client that is gone (a plain close is a FIN: only a half-close,
+    whose client still reads, and is answered in full)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 def send_request(port: int, body: dict, headers: dict = AUTH) -> socket.socket:
@@ -144,7 +152,7 @@ def test_disconnect_mid_generation_stops_the_work(servers, config):
             data += sock.recv(65536)
         server.hold.wait_held("decode")
         gen_at_close = metric(server, "xllm:generation_tokens", "xllm:generation_tokens_total")
-        sock.close()
+        reset(sock)
         wait_until(lambda: aborts(server) == aborts_before + 1, what="the abort")
     wait_until(lambda: metric(server, "xllm:num_requests_running") == 0, what="an idle server")
     gen_after = metric(server, "xllm:generation_tokens", "xllm:generation_tokens_total")
@@ -159,7 +167,7 @@ def test_disconnect_while_waiting_is_never_computed(strict):
     with slot_held(strict) as holder:
         sock = open_stream(strict.port, {"prompt": [9] * 21, "max_tokens": 1})
         wait_until(lambda: metric(strict, "xllm:num_requests_waiting") == 1, what="the request waiting")
-        sock.close()
+        reset(sock)
         wait_until(lambda: aborts(strict) == aborts_before + 1, what="the abort")
     assert holder.result()[0] == 200
     # Only the holder's 10 prompt tokens were computed, never the 21.
@@ -239,7 +247,7 @@ HOSTILE = [
     (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
      + b"".join(b"100000\r\n" + b"a" * 0x100000 + b"\r\n" for _ in range(17)) + b"0\r\n\r\n", 413),
     (b"GET /health HTTP/1.1\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(150)) + b"\r\n", 431),
-    (b"GET /health HTTP/9.9\r\n\r\n", 400),
+    (b"GET /health HTTP/9.9\r\n\r\n", 505),
     (b"\x00\x01\x02\x03\r\n\r\n", 400),
 ]
 

@@ -61,6 +61,9 @@ class OpenAIApp:
             "/get_server_info": {"GET": self.info},  # the name SGLang's benchmark asks for
             "/version": {"GET": self.version},
         }
+        for methods in self.routes.values():  # HEAD wherever GET (RFC 9110 §9.1); the HTTP layer drops the content
+            if "GET" in methods:
+                methods["HEAD"] = methods["GET"]
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
         request_id = request.headers.get("x-request-id")

@@ -3,12 +3,20 @@
 Callbacks only collect the request and hand it over. Requests pipelined on one
 connection are answered one at a time, in order; reading pauses when too many
 wait, and resumes as they are answered.
+
+httptools (llhttp) is a tokenizer: it refuses bad syntax (bare CR, obs-fold,
+whitespace before a colon, invalid or duplicate Content-Length, Content-Length
+with Transfer-Encoding, a non-final chunked) but lets through what only the
+RFC's rules forbid. Those are checked here, in on_headers_complete and in the
+branches for repeated fields, so a valid request pays a dict lookup or two
+(tests/test_http_conformance.py lists every rule with its test).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -16,13 +24,16 @@ from collections.abc import Awaitable, Callable
 import httptools
 
 from ..errors import ApiError
-from .response import CONTINUE, JSON, Responder, render
+from .response import CONTINUE, JSON, HeadResponder, Responder, render
 
 log = logging.getLogger("xllm_async.http")
 
 MAX_PIPELINED = 32  # unanswered requests per connection before we stop reading
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
+MAX_URL_BYTES = 16 * 1024  # a longer request-target gets 414 (RFC 9112 §3)
+# Host = uri-host [ ":" port ] (RFC 9110 §7.2, RFC 3986 §3.2.2); empty is allowed (RFC 9112 §3.2).
+HOST = re.compile(r"(?:\[[0-9A-Za-z:.]+\]|[0-9A-Za-z\-._~!$&'()*+,;=%]*)(?::[0-9]*)?")
 
 
 class HttpLimits:
@@ -87,7 +98,10 @@ class HttpProtocol(asyncio.Protocol):
         self._writable: asyncio.Future | None = None
         self.closed = False
         self._url = b""
-        self._headers: dict[str, str] = {}
+        self._headers: dict[str, str] = {}  # the request's header section
+        self._fields = self._headers  # where the field lines being parsed go (trailers: elsewhere)
+        self._http11 = True
+        self._peer_done = False  # the client shut its sending side: it sends no more requests
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
@@ -119,6 +133,15 @@ class HttpProtocol(asyncio.Protocol):
             self._task.cancel()  # the handler's cleanup aborts its engine work
         self._wake_writer()
 
+    def eof_received(self) -> bool:
+        """The client shut its sending side (shutdown(SHUT_WR), nc -N): it still reads, so what it
+        asked for is answered in full; then the connection closes. Only a reset or a failed
+        write (connection_lost) means the client is gone."""
+        self._peer_done = True
+        if not self.busy:
+            self.close()  # nothing to answer (a request cut short can never complete)
+        return True  # keep the transport open for writing
+
     def data_received(self, data: bytes) -> None:
         if self._stop_reading:
             return
@@ -126,11 +149,13 @@ class HttpProtocol(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
+            if isinstance(cause, StopParsing):
+                return
             self._fail(cause if isinstance(cause, ApiError) else ApiError(400, "Malformed HTTP request"))
         except httptools.HttpParserUpgrade:
             self._stop_reading = True  # we speak HTTP/1.1 only; answer what came, then close
         except httptools.HttpParserError as exc:
-            self._fail(ApiError(400, f"Malformed HTTP request: {exc}"))
+            self._fail(parse_error(exc))
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -163,33 +188,72 @@ class HttpProtocol(asyncio.Protocol):
     # --- httptools callbacks: collect only ---
 
     def on_message_begin(self) -> None:
+        if self._stop_reading:
+            raise StopParsing  # after a request that closes the connection, none is processed (RFC 9112 §9.6)
         self._set_deadline("read", self._limits.read_timeout)
         self._url = b""
-        self._headers = {}
+        self._headers = self._fields = {}
         self._header_bytes = 0
         self._body = []
         self._body_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_URL_BYTES:
+            raise ApiError(414, f"Request target longer than {MAX_URL_BYTES} bytes")
         self._count_header_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_header_bytes(len(name) + len(value))
-        if len(self._headers) >= MAX_HEADERS:
+        fields = self._fields
+        if len(fields) >= MAX_HEADERS:
             raise ApiError(431, f"More than {MAX_HEADERS} header fields")
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
-        if key == "content-length" and key in self._headers and self._headers[key] != text:
-            raise ApiError(400, "Conflicting Content-Length headers")
-        self._headers[key] = text
+        if key in fields:
+            text = repeated_field(key, fields[key], text)
+        fields[key] = text
 
     def on_headers_complete(self) -> None:
-        length = self._headers.get("content-length")
+        headers = self._headers
+        version = self._parser.get_http_version()
+        if version == "1.1":
+            self._http11 = True
+            if "host" not in headers:
+                raise ApiError(400, "HTTP/1.1 request without a Host header")
+        elif version == "1.0":
+            self._http11 = False
+        elif version[0] == "0":  # llhttp reads a request line without a version as HTTP/0.9
+            raise ApiError(400, "Not an HTTP/1.x request line")
+        else:
+            raise ApiError(505, f"HTTP/{version} is not supported; use HTTP/1.1")
+        host = headers.get("host")
+        if host is not None and HOST.fullmatch(host) is None:
+            raise ApiError(400, "Invalid Host header")
+        coding = headers.get("transfer-encoding")
+        if coding is not None:
+            self._check_transfer_coding(coding)
+        length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
             raise ApiError(413, f"Request body larger than {self._max_body} bytes")
-        if self._headers.get("expect", "").lower() == "100-continue":
+        # An HTTP/1.0 client's 100-continue expectation is ignored (RFC 9110 §10.1.1).
+        if self._http11 and headers.get("expect", "").lower() == "100-continue":
             self._transport.write(CONTINUE)
+
+    def _check_transfer_coding(self, coding: str) -> None:
+        """Transfer-Encoding (with Content-Length, llhttp has refused it already): chunked alone,
+        on HTTP/1.1 only."""
+        if not self._http11:
+            # RFC 9112 §6.1: faulty framing in an HTTP/1.0 message; the connection cannot go on.
+            raise ApiError(400, "Transfer-Encoding in an HTTP/1.0 request")
+        codings = coding.lower().split(",")
+        if codings[-1].strip() != "chunked":
+            # RFC 9112 §6.3: the body's length cannot be known (llhttp lets some of these through).
+            raise ApiError(400, f"Transfer-Encoding {coding!r} does not end with chunked")
+        if len(codings) > 1:
+            # RFC 9112 §6.1: a coding the server does not understand.
+            raise ApiError(501, f"Transfer-Encoding {coding!r} is not supported; send chunked alone")
+        self._fields = {}  # trailer fields are parsed, never merged into the headers (RFC 9110 §6.5.1)
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -201,11 +265,14 @@ class HttpProtocol(asyncio.Protocol):
         self._deadline_kind = ""  # the handler owns the time from here
         parser = self._parser
         url = httptools.parse_url(self._url)
+        keep_alive = parser.should_keep_alive()
         request = HttpRequest(
             parser.get_method().decode("ascii"), url.path.decode("latin-1"),
             url.query.decode("latin-1") if url.query else "", self._headers, b"".join(self._body),
-            parser.should_keep_alive(), parser.get_http_version() == "1.1", self._client,
+            keep_alive, self._http11, self._client,
         )
+        if not keep_alive:
+            self._stop_reading = True  # the last request of this connection
         self._enqueue(request)
 
     def _count_header_bytes(self, size: int) -> None:
@@ -235,7 +302,9 @@ class HttpProtocol(asyncio.Protocol):
             self._current = Responder(self, keep_alive=False, http11=True)
             self._current.send(entry.status, entry.body(), headers=entry.headers)
             return
-        responder = Responder(self, entry.keep_alive and not self._stop_reading, entry.http11)
+        last = self._stop_reading and not self._pipeline  # reading stopped, nothing after it
+        responder = (Responder if entry.method != "HEAD" else HeadResponder)(
+            self, entry.keep_alive and not last, entry.http11)
         self._request = entry
         self._current = responder
         self._task = self._loop.create_task(self._handler(entry, responder))
@@ -259,14 +328,15 @@ class HttpProtocol(asyncio.Protocol):
         self._current = None
         self._request = None
         self._task = None
-        if not responder.keep_alive:
-            if self._stop_reading and self._transport.can_write_eof():
+        if self._pipeline and responder.keep_alive:
+            self._start(self._pipeline.popleft())
+        elif not responder.keep_alive or self._stop_reading or self._peer_done:
+            # The last answer: no other request was or will be read on this connection.
+            if self._stop_reading and not self._peer_done and self._transport.can_write_eof():
                 self._linger()
             else:
                 self.close()
             return
-        if self._pipeline:
-            self._start(self._pipeline.popleft())
         elif not self._deadline_kind:
             self._set_deadline("idle", self._limits.keep_alive_timeout)
         if self._reading_paused and len(self._pipeline) < MAX_PIPELINED // 2:
@@ -309,3 +379,27 @@ class HttpProtocol(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self._transport.close()
+
+
+class StopParsing(Exception):
+    """Raised by a callback: this connection's remaining input is not read."""
+
+
+def repeated_field(name: str, first: str, value: str) -> str:
+    """A field line whose name came before: combined as a list (RFC 9110 §5.3), except where
+    one value is all a request may carry."""
+    if name == "host":
+        raise ApiError(400, "More than one Host header")  # RFC 9112 §3.2
+    if name == "content-length":  # llhttp refuses these first; kept for any parser that does not
+        raise ApiError(400, "More than one Content-Length header")
+    return f"{first}, {value}"
+
+
+def parse_error(exc: httptools.HttpParserError) -> ApiError:
+    """The answer to what llhttp refused (the connection closes after it)."""
+    reason = str(exc)
+    if reason == "Invalid HTTP version":  # well formed, but neither 1.0 nor 1.1 (nor 0.9, 2.0: see above)
+        return ApiError(505, "HTTP version not supported; use HTTP/1.1")
+    if reason == "Unexpected whitespace after header value":
+        reason = "obsolete line folding (obs-fold) is not accepted"  # RFC 9112 §5.2 asks to say so
+    return ApiError(400, f"Malformed HTTP request: {reason}")

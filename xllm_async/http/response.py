@@ -103,3 +103,22 @@ class Responder:
         self._write(data)
         self.finished = True
         self._conn.response_done(self)
+
+
+class HeadResponder(Responder):
+    """The answer to a HEAD request: the header section GET's would have, and no content,
+    which would otherwise be read as the start of the next response (RFC 9110 §9.3.2)."""
+
+    __slots__ = ()
+
+    def send(self, status: int, body: bytes, content_type: bytes = JSON, headers: bytes = b"") -> None:
+        self.status = status
+        self.started = True
+        whole = render(status, body, content_type, self.keep_alive, self.headers + headers)
+        self._finish(whole[:len(whole) - len(body)])
+
+    def _frame(self, data: bytes) -> bytes:
+        return b""  # a stream's content is left out too
+
+    def end(self, data: bytes = b"") -> None:
+        self._finish(b"")
