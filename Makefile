@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy
+.PHONY: install serve test test-stability model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy
 
 install: $(STAMP) model haproxy
 
@@ -40,6 +40,11 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The whole suite 5 times on a fresh clone of HEAD (.ci/run), then once with every core burning
+# (RUNS=, LOADED= change the counts). tests/stability.sh prints one line per run.
+test-stability:
+	bash tests/stability.sh
 
 # --- benchmarks (perf/RESULTS.md says what each measured) ---
 

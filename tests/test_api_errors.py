@@ -37,6 +37,15 @@ BAD_COMPLETIONS = [
     ({**GOOD, "stream": 1}, "stream"),
     ({**GOOD, "stream_options": []}, "stream_options"),
     ({**GOOD, "logprobs": 50}, "logprobs"),
+    ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),  # only with stream
+    ({**GOOD, "model": 5}, "model"),
+    ({**GOOD, "user": 5}, "user"),
+    ({**GOOD, "echo": True}, "echo"),
+    ({**GOOD, "suffix": "end"}, "suffix"),
+    ({**GOOD, "best_of": 3}, "best_of"),
+    ({**GOOD, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**GOOD, "frequency_penalty": "x"}, "frequency_penalty"),
     ({"prompt": list(range(1, TINY_CONTEXT + 1))}, "prompt"),
     ({"prompt": list(range(1, 200)), "max_tokens": 100}, "max_tokens"),
 ]
@@ -51,13 +60,33 @@ def test_bad_completion_requests_get_400_naming_the_field(server, body, param):
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
 
 
+HI = {"role": "user", "content": "hi"}
 BAD_CHATS = [
     ({}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [5]}, "messages[0]"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [HI, {"role": "robot", "content": "hi"}]}, "messages[1].role"),
+    ({"messages": [{"role": 5, "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "hi", "name": "f"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{**HI, "name": 5}]}, "messages[0].name"),
+    ({"messages": [HI, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id"),
+    ({"messages": [{**HI, "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"messages": [HI], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [HI], "response_format": "json"}, "response_format"),
+    ({"messages": [HI], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [HI], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [HI], "logprobs": 1}, "logprobs"),
+    ({"messages": [HI], "n": "2"}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
 ]
@@ -75,6 +104,24 @@ def test_body_that_is_not_a_json_object_gets_400(server, raw):
     status, answer, _ = post(server.port, "/v1/completions", raw)
     assert status == 400
     assert answer["error"]["code"] == 400
+
+
+GOOD_CHATS = [
+    [{"role": "system", "content": "be brief"}, HI],
+    [{"role": "developer", "content": "be brief"}, HI],
+    [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
+    [{**HI, "name": "ann"}, {"role": "assistant", "content": None, "tool_calls": []},
+     {"role": "tool", "content": "42", "tool_call_id": "call_1"}, HI],
+    [HI, {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}, HI],
+]
+
+
+@pytest.mark.parametrize("messages", GOOD_CHATS)
+def test_every_openai_message_shape_we_accept_is_served(server, messages):
+    body = {"messages": messages, "max_tokens": 2, "response_format": {"type": "text"}, "tools": [],
+            "presence_penalty": 0, "user": "u-1", "stream_options": None}
+    status, answer, _ = post(server.port, "/v1/chat/completions", body)
+    assert status == 200, answer
 
 
 def test_unknown_model_gets_404(server):

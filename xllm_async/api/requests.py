@@ -11,6 +11,11 @@ from .fields import Fields, bad
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less the deprecated "function"
+# OpenAI fields this server does not implement: accepted only at the value that changes nothing
+# (a request relying on them must not get an answer that silently ignored them).
+UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
+               "functions": [], "echo": False, "suffix": "", "best_of": 1}
 
 
 class BeamLimits:
@@ -80,6 +85,7 @@ def parse_json(body: bytes) -> dict:
 def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
     fields = Fields(body)
     _check_model(fields, model)
+    _check_unsupported(body)
     prompts = _completion_prompts(fields.raw("prompt"), model)
     logprobs = fields.int("logprobs", None, 0, MAX_LOGPROBS)
     max_tokens = fields.int("max_tokens", None, 1)
@@ -91,6 +97,9 @@ def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
 def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
     fields = Fields(body)
     _check_model(fields, model)
+    _check_unsupported(body)
+    if fields.dict("response_format").get("type", "text") != "text":
+        raise bad("response_format", "Only `response_format: {\"type\": \"text\"}` is supported by this server")
     prompt = _chat_prompt(fields.raw("messages"), model)
     logprobs = None
     if fields.bool("logprobs", False):
@@ -135,6 +144,11 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     )
     stream = fields.bool("stream", False)
     options = Fields(fields.dict("stream_options"))
+    if options.body and not stream:
+        raise bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+    user = fields.raw("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", f"`user` must be a string, got {user!r}")
     include_usage = stream and options.bool("include_usage", False)
     n = fields.int("n", 1, 1, model.max_n)
     if beam_width is None:
@@ -164,7 +178,21 @@ def _beam_width(fields: Fields, model: ModelInfo) -> int | None:
 def _check_model(fields: Fields, model: ModelInfo) -> None:
     name = fields.raw("model")
     if name is not None and name != model.name:
+        if not isinstance(name, str):
+            raise bad("model", f"`model` must be a string, got {name!r}")
         raise ApiError(404, f"The model `{name}` does not exist.", param="model")
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or value == neutral:
+            continue
+        kind = {int: "a number", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}[type(neutral)]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number if type(neutral) is int else type(value) is type(neutral)):
+            raise bad(name, f"`{name}` must be {kind}, got {value!r}")
+        raise bad(name, f"`{name}` is not supported by this server (only {neutral!r} is accepted)")
 
 
 def _completion_prompts(prompt, model: ModelInfo) -> list[list[int]]:
@@ -205,11 +233,7 @@ def _checked_ids(ids: list[int], model: ModelInfo) -> list[int]:
 def _chat_prompt(messages, model: ModelInfo) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "`messages` must be a non-empty list")
-    plain = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad("messages", f"messages[{i}] must be an object with a string `role`")
-        plain.append({"role": message["role"], "content": _message_text(message.get("content"), i)})
+    plain = [_chat_message(message, i) for i, message in enumerate(messages)]
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "This model has no chat template; use /v1/completions", param="messages")
@@ -221,14 +245,57 @@ def _chat_prompt(messages, model: ModelInfo) -> list[int]:
     return _encoded(model, text, "messages", special=False)
 
 
-def _message_text(content, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad("messages", f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}}")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+def _chat_message(message, i: int) -> dict:
+    """One message checked as OpenAI checks it (the param names the field: messages[i].role);
+    what the chat template gets: role, content as text, and name if given."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise bad(where, f"`{where}` must be an object, got {message!r}")
+    role = message.get("role")
+    if role is None:
+        raise bad(f"{where}.role", f"Missing required parameter: '{where}.role'.")
+    if role not in ROLES:  # (a non-string is not among them either)
+        raise bad(f"{where}.role", f"Invalid value: {role!r}. Supported values are: "
+                                   + ", ".join(f"'{r}'" for r in ROLES) + ".")
+    content = message.get("content")
+    if content is None:
+        # Only an assistant's may be missing (it made tool calls instead).
+        if role != "assistant":
+            raise bad(f"{where}.content", f"Missing required parameter: '{where}.content'.")
+        text = ""
+    else:
+        text = _message_text(content, f"{where}.content")
+    # "developer" is OpenAI's newer name for "system"; chat templates know the older one.
+    plain = {"role": "system" if role == "developer" else role, "content": text}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad(f"{where}.name", f"`{where}.name` must be a string, got {name!r}")
+        plain["name"] = name
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise bad(f"{where}.tool_call_id", f"Missing required parameter: '{where}.tool_call_id' (a string).")
+    calls = message.get("tool_calls")
+    if calls is not None and not (role == "assistant" and isinstance(calls, list)):
+        raise bad(f"{where}.tool_calls", f"`{where}.tool_calls` must be a list, on an assistant message")
+    return plain
+
+
+def _message_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(where, f"`{where}` must be a string or a list of text parts, got {type(content).__name__}")
+    if not content:
+        raise bad(where, f"Invalid '{where}': empty array. Expected an array with minimum length 1.")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise bad(f"{where}[{j}]", f"`{where}[{j}]` must be an object")
+        kind = part.get("type")
+        if kind != "text":
+            raise bad(f"{where}[{j}].type", f"Content parts of type {kind!r} are not supported by this server; "
+                                            "send {\"type\": \"text\", \"text\": ...}")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{where}[{j}].text", f"`{where}[{j}].text` must be a string")
+        parts.append(part["text"])
+    return "\n".join(parts)
