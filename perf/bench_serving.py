@@ -31,6 +31,22 @@ A request fails on a status other than 200, a broken connection, an error event,
 that ends without `[DONE]`. Failures are counted and the first error is printed; every other
 figure is computed over the successful requests.
 
+Generative recommendation (`--beam-width`, `--num-return-sequences`): beam searches over
+token-id prompts, whole responses, `--random-output` rounds. With an item table they return
+items: `--item-table-out PATH` writes a semantic-id table (`--item-table-items` items of
+`--item-codebooks` codes, each code one of `--item-codes`; codebook c spells code k as token
+base + c * codes + k, with base the first ordinary token id from 1000 on that leaves the whole
+range free of special tokens) and exits; the server loads it (`server.py --item-table PATH`), and
+`--item-table PATH` here sends `max_tokens` = its item length and checks every returned choice
+against it. The table then adds items/s (choices with an `item_id`), the share of the asked
+items (requests x `num_return_sequences`) that came back, and the invalid ones (a choice without
+an `item_id`, or whose tokens or id are not the table's): 0 on a server that searches the table.
+
+    python perf/bench_serving.py --item-table-out items.tsv --item-table-items 5000 --tokenizer MODEL
+    python server.py --model MODEL --item-table items.tsv &
+    python perf/bench_serving.py --item-table items.tsv --beam-width 16 --num-return-sequences 16 \\
+        --random-input 1000 --num-prompts 50 --max-concurrency 8
+
 HTTP is a small HTTP/1.1 client: an asyncio.Protocol per connection whose bytes httptools
 parses as they arrive (Content-Length, chunked and read-until-close bodies, keep-alive),
 one connection per concurrent worker. It shares the cores with the server it measures, so
@@ -139,6 +155,74 @@ def make_random_prompts(tokenizer, num: int, input_len: int, output_len: int, ra
         prompt = ids if prompt_format == "ids" else text_of_length(tokenizer, ids, vocab, rng)
         prompts.append(Prompt(prompt, prompt_len, out_len))
     return prompts
+
+
+# --- item tables (generative recommendation) ---------------------------------------------------
+
+ITEM_BASE_FROM = 1000  # past the byte-level pieces at the start of most vocabularies
+
+
+class ItemTable(NamedTuple):
+    """Semantic ids: each item's token ids (all of one length) -> its item id."""
+
+    items: dict[tuple[int, ...], str]
+
+    @property
+    def item_length(self) -> int:
+        return len(next(iter(self.items)))
+
+
+def item_token_base(tokenizer, span: int) -> int:
+    """The first token id from ITEM_BASE_FROM on (lower on a small vocabulary) that starts `span`
+    ordinary ids: a special token inside an item would mean something else to the model."""
+    special = set(tokenizer.all_special_ids)
+    for base in range(min(ITEM_BASE_FROM, max(tokenizer.vocab_size - span, 0)), tokenizer.vocab_size - span + 1):
+        if not special.intersection(range(base, base + span)):
+            return base
+    raise ValueError(f"the vocabulary ({tokenizer.vocab_size} ids) has no {span} consecutive ordinary ids")
+
+
+def make_item_table(count: int, codebooks: int, codes: int, base: int, seed: int = 0) -> ItemTable:
+    """count distinct items of `codebooks` codes drawn uniformly, as residual quantisers lay them out:
+    codebook c spells code k as token base + c * codes + k. Item ids are item-00000, item-00001..."""
+    if codebooks < 1 or codes < 1 or not 1 <= count <= codes ** codebooks:
+        raise ValueError(f"{count} items cannot be spelt with {codebooks} codebooks of {codes} codes")
+    rng = random.Random(seed)
+    keys: set[tuple[int, ...]] = set()
+    while len(keys) < count:
+        keys.add(tuple(base + c * codes + rng.randrange(codes) for c in range(codebooks)))
+    width = len(str(count - 1))
+    return ItemTable({key: f"item-{i:0{max(width, 5)}d}" for i, key in enumerate(sorted(keys))})
+
+
+def write_item_table(path: str, table: ItemTable, comment: str = "") -> None:
+    """`<item id><TAB><token ids>` lines, the format `server.py --item-table` loads."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        if comment:
+            f.write(f"# {comment}\n")
+        f.writelines(f"{item}\t{' '.join(map(str, key))}\n" for key, item in table.items.items())
+
+
+def read_item_table(path: str) -> ItemTable:
+    """The table write_item_table wrote (or any file of that format; `#` lines are comments)."""
+    items: dict[tuple[int, ...], str] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            item, _, tokens = line.partition("\t")
+            try:
+                key = tuple(int(t) for t in tokens.split())
+            except ValueError:
+                key = ()
+            if not item or not key or (items and len(key) != len(next(iter(items)))):
+                raise ValueError(f"{path}:{number}: not an '<item id><TAB><token ids>' line of the table's length")
+            items[key] = item
+    if not items:
+        raise ValueError(f"{path}: no items")
+    return ItemTable(items)
 
 
 # --- HTTP/1.1 client -------------------------------------------------------------------------
@@ -362,6 +446,8 @@ class RequestResult:
     retokenized_len: int = 0
     generated_text: str = ""
     error: str = ""
+    # whole responses: each choice's (item_id, token_ids) as beam searches return them (None, () elsewhere)
+    choices: list[tuple[str | None, tuple[int, ...]]] = field(default_factory=list)
 
 
 def is_chat(endpoint: str) -> bool:
@@ -424,6 +510,7 @@ async def send_request(conn: HttpConnection, path: str, body: bytes, prompt_len:
             whole = json_loads(data)
             result.generated_text = whole_text(whole, chat)
             result.output_len = (whole.get("usage") or {}).get("completion_tokens")
+            result.choices = [(c.get("item_id"), tuple(c.get("token_ids") or ())) for c in whole["choices"]]
     except Exception as exc:  # noqa: BLE001  (whatever broke, the request fails with the reason)
         conn.close()
         result.error = f"{type(exc).__name__}: {exc}"
@@ -562,13 +649,15 @@ async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: s
                     endpoint: str = "/v1/completions", max_concurrency: int | None = None,
                     request_rate: float = math.inf, stream: bool = True, backend: str = "openai",
                     seed: int = 0, warmup_requests: int = 0, progress: bool = False,
-                    extra_body: dict | None = None, keep_texts: bool = False) -> dict:
+                    extra_body: dict | None = None, keep_texts: bool = False,
+                    item_table: ItemTable | None = None) -> dict:
     """Sends every prompt, then returns compute_metrics' figures plus the run's configuration.
 
     max_concurrency None means one connection per prompt. The first warmup_requests prompts are
     sent once, one by one, before the clock starts; a failed warm-up raises BenchmarkError.
     keep_texts adds "generated_texts": each prompt's answer in prompt order (None where it failed),
-    for comparing the answers of two servers.
+    for comparing the answers of two servers. item_table adds item_metrics' figures, the returned
+    choices checked against it (`num_return_sequences` of extra_body is what each request asked).
     """
     if not prompts:
         raise BenchmarkError("no prompts to send")
@@ -596,6 +685,8 @@ async def benchmark(base_url: str, prompts: list[Prompt], *, tokenizer, model: s
             conn.close()
     count_retokenized(results, tokenizer)
     metrics = compute_metrics(results, duration)
+    if item_table is not None:
+        metrics.update(item_metrics(results, item_table, (extra_body or {}).get("num_return_sequences", 1), duration))
     metrics.update(backend=backend, base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(prompts),
                    max_concurrency=max_concurrency, request_rate="inf" if math.isinf(request_rate) else request_rate,
                    stream=stream, date=datetime.now().isoformat(timespec="seconds"))
@@ -646,6 +737,17 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict:
     return metrics
 
 
+def item_metrics(results: list[RequestResult], table: ItemTable, asked_per_request: int, duration: float) -> dict:
+    """Items over the successful requests: returned (choices with an item_id), their share of the asked
+    ones, and the invalid choices (no item_id, or tokens and id that are not one of the table's items)."""
+    ok = [r for r in results if r.success]
+    returned = sum(item is not None for r in ok for item, _ in r.choices)
+    invalid = sum(item is None or table.items.get(tokens) != item for r in ok for item, tokens in r.choices)
+    asked = len(ok) * asked_per_request
+    return {"items_asked": asked, "items_returned": returned, "item_share": returned / asked if asked else 0.0,
+            "invalid_items": invalid, "item_throughput": returned / duration}
+
+
 SECTIONS = (("End-to-End Latency", "e2e_latency", "E2E Latency"), ("Time to First Token", "ttft", "TTFT"),
             ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"), ("Inter-Token Latency", "itl", "ITL"))
 
@@ -672,6 +774,9 @@ def format_table(metrics: dict) -> str:
               row("Output token throughput (tok/s):", metrics["output_throughput"]),
               *([row("Beam throughput (beams/s):", metrics["beam_throughput"])] if "beam_throughput" in metrics
                 else []),
+              *([row("Item throughput (items/s):", metrics["item_throughput"]),
+                 row("Items returned (% of asked):", 100.0 * metrics["item_share"]),
+                 row("Invalid items:", metrics["invalid_items"])] if "item_throughput" in metrics else []),
               row("Total token throughput (tok/s):", metrics["total_throughput"]),
               row("Concurrency:", metrics["concurrency"])]
     for title, key, label in SECTIONS:
@@ -728,17 +833,29 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     if args.beam_width:  # the rec workload: beam search answers at the end, so no streaming
         extra_body = {"beam_width": args.beam_width, "num_return_sequences": args.num_return_sequences}
         args.stream = False
+    items = None
+    if args.item_table:
+        if not args.beam_width:
+            raise BenchmarkError("--item-table needs --beam-width: items come back from beam searches")
+        items = read_item_table(args.item_table)
+        args.random_output = items.item_length  # one round per codebook: the server refuses any other max_tokens
     prompts = make_random_prompts(tokenizer, args.num_prompts, args.random_input, args.random_output,
                                   args.random_range_ratio, args.seed, prompt_format)
+    if items is not None:  # whatever the range ratio drew
+        prompts = [p._replace(output_len=items.item_length) for p in prompts]
     metrics = await benchmark(
         args.base_url, prompts, tokenizer=tokenizer, model=model, endpoint=args.endpoint,
         max_concurrency=args.max_concurrency, request_rate=args.request_rate, stream=args.stream,
         backend=args.backend or info.get("owned_by") or "openai", seed=args.seed,
         warmup_requests=args.warmup_requests, progress=not args.disable_progress, extra_body=extra_body,
+        item_table=items,
     )
     if args.beam_width:
         metrics.update(beam_width=args.beam_width, num_return_sequences=args.num_return_sequences,
                        beam_throughput=metrics["request_throughput"] * args.beam_width)
+    if items is not None:
+        metrics.update(item_table=os.path.abspath(args.item_table), item_count=len(items.items),
+                       item_length=items.item_length)
     metrics.update(random_input=args.random_input, random_output=args.random_output,
                    random_range_ratio=args.random_range_ratio, prompt_format=prompt_format, seed=args.seed)
     return metrics
@@ -783,18 +900,42 @@ def build_parser() -> argparse.ArgumentParser:
     rec = parser.add_argument_group("generative recommendation (beam search; --random-output = rounds)")
     rec.add_argument("--beam-width", type=int, help="beams per request (turns streaming off)")
     rec.add_argument("--num-return-sequences", type=int, default=1, help="best sequences returned per request")
+    rec.add_argument("--item-table", help="the server's item table: max_tokens = its item length, choices checked "
+                                          "against it, items/s reported")
+    rec.add_argument("--item-table-out", help="write a semantic-id table here and exit (nothing is sent)")
+    rec.add_argument("--item-table-items", type=int, default=5000, help="items of the written table")
+    rec.add_argument("--item-codebooks", type=int, default=3, help="codes (tokens) per item")
+    rec.add_argument("--item-codes", type=int, default=256, help="codes per codebook")
+    rec.add_argument("--item-token-base", type=int,
+                     help="token id of codebook 0's code 0 (default: found in the tokenizer's ordinary ids)")
     out = parser.add_argument_group("output")
     out.add_argument("--output-file", help="append the figures and the configuration as one JSON line")
     out.add_argument("--disable-progress", action="store_true")
     return parser
 
 
+def write_table(args: argparse.Namespace) -> str:
+    """--item-table-out: the table written, and one line saying what it holds."""
+    span = args.item_codebooks * args.item_codes
+    base = args.item_token_base
+    if base is None:
+        base = item_token_base(load_tokenizer(tokenizer_path(args, {})), span)
+    table = make_item_table(args.item_table_items, args.item_codebooks, args.item_codes, base, args.seed)
+    what = (f"{len(table.items)} items of {args.item_codebooks} codebooks x {args.item_codes} codes, "
+            f"tokens {base}..{base + span - 1}, seed {args.seed}")
+    write_item_table(args.item_table_out, table, what)
+    return f"{args.item_table_out}: {what}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     raise_open_file_limit()
     try:
+        if args.item_table_out:
+            print(write_table(args))
+            return 0
         metrics = run(run_benchmark(args))
-    except (BenchmarkError, ValueError) as exc:  # a setting the run cannot use: one line, no traceback
+    except (BenchmarkError, ValueError, OSError) as exc:  # a setting the run cannot use: one line, no traceback
         print(f"bench_serving: {exc}", file=sys.stderr)
         return 1
     print(format_table(metrics))

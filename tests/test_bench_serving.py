@@ -318,3 +318,94 @@ def test_rec_workload_counts_beams_and_returned_tokens(server, tmp_path, capsys)
     assert (figures["completed"], figures["failed"], figures["stream"]) == (6, 0, False)
     assert figures["total_output_tokens"] == 6 * 2 * 3  # 2 returned sequences of 3 rounds each
     assert figures["beam_throughput"] == pytest.approx(4 * figures["request_throughput"])
+
+
+# --- item tables (generative recommendation) ---
+
+
+class FakeTokenizer:
+    def __init__(self, vocab_size: int, special: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.all_special_ids = special
+
+
+def test_item_token_base_leaves_special_tokens_out_of_the_range():
+    assert bench.item_token_base(FakeTokenizer(5000, [0, 1, 2]), 768) == 1000
+    assert bench.item_token_base(FakeTokenizer(5000, [0, 1200]), 768) == 1201
+    assert bench.item_token_base(FakeTokenizer(900, [0]), 768) == 132  # a small vocabulary: as high as fits
+    with pytest.raises(ValueError, match="no 768 consecutive ordinary ids"):
+        bench.item_token_base(FakeTokenizer(800, [0, 400]), 768)
+
+
+def test_item_table_spells_each_codebook_in_its_own_range(tmp_path):
+    table = bench.make_item_table(500, 3, 16, base=1000, seed=4)
+    assert len(table.items) == 500 and table.item_length == 3
+    assert len(set(table.items.values())) == 500
+    for key in table.items:
+        assert [(token - 1000) // 16 for token in key] == [0, 1, 2]
+    assert bench.make_item_table(500, 3, 16, base=1000, seed=4) == table
+    assert bench.make_item_table(500, 3, 16, base=1000, seed=5) != table
+    with pytest.raises(ValueError, match="cannot be spelt"):
+        bench.make_item_table(17, 1, 16, base=1000)
+
+
+def test_written_item_table_is_the_one_the_server_loads(tmp_path):
+    from xllm_async.api.items import ItemTable
+
+    path = tmp_path / "tables" / "items.tsv"
+    table = bench.make_item_table(300, 3, 8, base=2000)
+    bench.write_item_table(str(path), table, "300 items")
+    assert path.read_text().startswith("# 300 items\nitem-00000\t")
+    assert bench.read_item_table(str(path)) == table
+    assert ItemTable.load(str(path)).items == table.items
+    (tmp_path / "mixed.tsv").write_text("a\t1 2 3\nb\t1 2\n")
+    with pytest.raises(ValueError, match="mixed.tsv:2"):
+        bench.read_item_table(str(tmp_path / "mixed.tsv"))
+
+
+def test_item_figures_count_returned_asked_and_invalid_choices():
+    table = bench.ItemTable({(1, 2): "a", (1, 3): "b", (4, 5): "c"})
+    results = [
+        RequestResult(True, latency=1.0, choices=[("a", (1, 2)), ("b", (1, 3)), ("c", (4, 5))]),
+        RequestResult(True, latency=1.0, choices=[("a", (1, 2)), (None, (9, 9))]),  # a beam that is no item
+        RequestResult(True, latency=1.0, choices=[("b", (1, 2))]),  # an id that does not name those tokens
+        RequestResult(False, latency=1.0, error="HTTP 500: boom"),
+    ]
+    m = bench.item_metrics(results, table, asked_per_request=3, duration=2.0)
+    assert m == {"items_asked": 9, "items_returned": 5, "item_share": pytest.approx(5 / 9), "invalid_items": 2,
+                 "item_throughput": 2.5}
+    m.update(bench.compute_metrics(results, duration=2.0), backend="x", request_rate="inf", max_concurrency=8)
+    lines = bench.format_table(m).splitlines()
+    for line in ("Item throughput (items/s):               2.50      ",
+                 "Items returned (% of asked):             55.56     ",
+                 "Invalid items:                           2         "):
+        assert line in lines, line
+
+
+@pytest.fixture(scope="module")
+def item_table_server(tiny_model_dir, tmp_path_factory):
+    from .conftest import ServerProcess
+
+    path = str(tmp_path_factory.mktemp("items") / "items.tsv")
+    assert bench.main(["--item-table-out", path, "--item-table-items", "200", "--item-codes", "16",
+                       "--tokenizer", tiny_model_dir]) == 0
+    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--item-table", path])
+    yield server, path
+    server.stop()
+
+
+def test_item_table_run_reports_items_per_second(item_table_server, tmp_path, capsys):
+    server, path = item_table_server
+    out = tmp_path / "items.jsonl"
+    argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--item-table", path, "--num-prompts", "4",
+            "--random-input", "20", "--beam-width", "8", "--num-return-sequences", "8", "--max-concurrency", "2",
+            "--disable-progress", "--output-file", str(out)]
+    assert bench.main(argv) == 0
+    assert "Item throughput (items/s):" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert (figures["completed"], figures["failed"], figures["random_output"]) == (4, 0, 3)  # max_tokens = 3 codes
+    assert (figures["items_asked"], figures["items_returned"], figures["invalid_items"]) == (32, 32, 0)
+    assert figures["item_share"] == 1.0 and (figures["item_count"], figures["item_length"]) == (200, 3)
+    assert figures["item_throughput"] == pytest.approx(8 * figures["request_throughput"])
+    assert bench.main(argv[:4] + ["--num-prompts", "1"]) == 1  # a table without beams is refused
+    assert "--item-table needs --beam-width" in capsys.readouterr().err
