@@ -19,6 +19,8 @@ SIZES = {
     # beyond the forward shows against it (perf/trace_c1.py).
     "nano": (8, 1, 1, 1, 8, 16),
     "small": (256, 4, 8, 4, 32, 768),
+    # Issue 15's generative-recommendation shape (perf/beams.py): 16 KB of keys and values a token.
+    "medium": (512, 8, 8, 4, 64, 1536),
     # Qwen3-0.6B's own config: its heads are 128 wide, so attention is 2048 wide over a 1024 hidden.
     "0.6b": (1024, 28, 16, 8, 128, 3072),
 }
