@@ -16,3 +16,14 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1 or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected distinct positive integers separated by commas, got {text!r}")
     return values
+
+
+def positive_floats(text: str) -> list[float]:
+    """'0.5,0.8' -> [0.5, 0.8]: positive numbers separated by commas (an argparse `type`)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
+    return values
