@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test test-stability model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy
+.PHONY: install serve test test-stability model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy beams
 
 install: $(STAMP) model haproxy
 
@@ -81,6 +81,11 @@ profile: install
 # Where a request's time goes at concurrency 1, wake-ups apart from work (Linux perf tracepoints; root).
 trace: install
 	$(PY) perf/trace_c1.py $(TRACE_ARGS)
+
+# Wide beams (issue 15): latency and extra memory per beam width with and without an item table,
+# beam 128 at concurrency 8, beam 512 on a 2,000-token prompt (8-layer, 512-wide random Qwen3).
+beams: install
+	$(PY) perf/beams.py --throughput --widest $(BEAMS_ARGS)
 
 # LitServe and a naive FastAPI server on the same workload; their packages go in perf/peers/.venv only.
 peers: install
