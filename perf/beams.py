@@ -49,7 +49,6 @@ import servers
 from cli import positive_ints
 
 RESULTS = os.path.join(servers.PERF_DIR, "results", "beams")
-MEDIUM_MODEL = os.path.join(servers.PERF_DIR, "results", "models", "qwen3-medium")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MB = 1e6
 
@@ -339,7 +338,7 @@ def cpu_name() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help=f"model folder (default: the medium random Qwen3, made once: {MEDIUM_MODEL})")
+    parser.add_argument("--model", help="model folder (default: the medium random Qwen3, built once)")
     parser.add_argument("--widths", type=positive_ints, default=[1, 16, 64, 128, 256], help="beam widths of the table")
     parser.add_argument("--tables", default="none,items", help="none (whole vocabulary), items (the table), or both")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
@@ -376,16 +375,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
-    if args.model:
-        model = servers.ensure_model(args.model)
-    else:
-        model = MEDIUM_MODEL
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            print(f"building the medium random Qwen3 at {model} (once)", flush=True)
-            import subprocess
-
-            subprocess.run([sys.executable, "-m", "xllm_async.random_model", model, "--size", "medium"],
-                           cwd=servers.ROOT, check=True, stdout=subprocess.DEVNULL)
+    model = servers.ensure_model(args.model) if args.model else servers.ensure_random_model("medium")
     os.makedirs(RESULTS, exist_ok=True)
     tokenizer = bench.load_tokenizer(model)
     table_path, items = write_table(args, tokenizer)
