@@ -25,12 +25,12 @@ from cli import positive_ints
 import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
 from xllm_async.engine.sampling import argmax_rows
 from xllm_async.runtime.device import StreamBinding, resolve_device
-from xllm_async.runtime.model_runner import ModelRunner
+from xllm_async.runtime.model_runner import ModelRunner, load_runner
 
 
 def forward(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
     """One prefill as a slot runs it: the logits, then the picked tokens (which waits for the device)."""
-    logits, _ = runner.prefill(prompts, keep_cache=False)
+    logits, _ = runner.prefill(prompts)
     return argmax_rows(logits)
 
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except servers.ServerError as exc:
         print(f"forward_profile: {exc}", file=sys.stderr)
         return 1
-    runner = ModelRunner(model, resolve_device(args.devices), args.dtype)
+    runner = load_runner(model, resolve_device(args.devices), args.dtype)
     binding = StreamBinding(runner.device, args.cpu_threads or os.cpu_count() or 1)
     binding.enter()  # this thread runs the forwards, as one slot would
     rng = random.Random(0)

@@ -47,7 +47,7 @@ from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.runtime.device import resolve_device
 from xllm_async.runtime.executor import ExecutionSlot, start_slots
-from xllm_async.runtime.model_runner import ModelRunner
+from xllm_async.runtime.model_runner import ModelRunner, load_runner
 
 # --- one measurement -------------------------------------------------------------------------
 
@@ -196,6 +196,7 @@ def measure_latency(runner: ModelRunner, slots: list[ExecutionSlot], pool: list[
 
 def measure_streams(runner: ModelRunner, streams: int, args: argparse.Namespace, pool: list[list[int]]) -> list[dict]:
     """Latency, then throughput at every batch size, on N freshly started slots."""
+    runner.set_kv_cache(None, streams)  # each slot's arena, as the server sizes it
     slots = start_slots(runner.device, streams)
     try:
         extra = {"input_len": args.input_len, "output_len": args.output_len, "slot": describe_slot(slots[0])}
@@ -246,7 +247,7 @@ def format_table(records: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Load the model once, then every N in turn; returns every record."""
-    runner = ModelRunner(args.model, resolve_device(args.devices), args.dtype)
+    runner = load_runner(args.model, resolve_device(args.devices), args.dtype)
     # The sweep's prompts: the same tokens, in the same order, as the served benchmark sends.
     pool_size = max(max(args.batch_sizes) * 4, 64)
     prompts = bench.make_random_prompts(runner.tokenizer, pool_size, args.input_len, args.output_len, seed=args.seed)

@@ -133,14 +133,18 @@ class BeamSearchBatch:
     def _choose(self, hidden: torch.Tensor) -> None:
         """hidden: a row per live beam of every group, in order -> each group's next beams."""
         depth = self.groups[0].round  # every group of a batch is at the same round
+        # In the model's dtype: a bfloat16 model's logits are bfloat16 already, and a float32 copy of
+        # beams x vocabulary, then its log_softmax, cost 3x the bfloat16 log_softmax (75 against 23 ms
+        # for 128 x 151,669 here); the chosen scores are summed in float32.
         if self.trie is None:
             vocab = None
-            logprobs = torch.log_softmax(self.runner.logits(hidden), dim=-1)
+            logits = self.runner.logits(hidden, as_float=False)
         else:
             vocab = self.trie.vocab[depth]
-            logits = self.runner.logits(hidden, vocab)
+            logits = self.runner.logits(hidden, vocab, as_float=False)
             allowed = self.trie.allowed(depth, [n for g in self.groups for n in g.nodes])
-            logprobs = torch.log_softmax(logits.masked_fill_(~allowed, float("-inf")), dim=-1)
+            logits.masked_fill_(~allowed, float("-inf"))
+        logprobs = torch.log_softmax(logits, dim=-1)
         start = 0
         for g in self.groups:
             rows = len(g.tokens)
@@ -149,7 +153,7 @@ class BeamSearchBatch:
             # tokens: rank those (rows x width), never the whole rows x vocabulary.
             each = min(width, logprobs.shape[1])
             top_scores, top_columns = logprobs[start:start + rows].topk(each, dim=-1)
-            candidates = (g.scores[:, None] + top_scores).flatten()
+            candidates = (g.scores[:, None] + top_scores.float()).flatten()
             scores, flat = candidates.topk(min(width, candidates.numel()))
             if vocab is not None:  # a table may offer fewer paths than beams: drop the impossible ones
                 finite = scores > float("-inf")

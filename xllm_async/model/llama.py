@@ -118,7 +118,9 @@ class CausalLM(nn.Module):
         x = last(x, cos, sin, ctx, keep)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [rows, vocab], or [rows, len(tokens)] over only these token ids."""
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
+        """Logits [rows, vocab], or [rows, len(tokens)] over only these token ids; float32 unless
+        as_float is False (then in the model's dtype)."""
         weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
-        return torch.matmul(hidden, weight.t()).float()
+        logits = torch.matmul(hidden, weight.t())
+        return logits.float() if as_float else logits

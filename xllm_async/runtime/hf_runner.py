@@ -145,7 +145,7 @@ class TransformersRunner:
         state.widths = widths
         return self.decode(state.kv, tokens)
 
-    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
         return hidden if tokens is None else hidden.index_select(1, tokens)
 
 

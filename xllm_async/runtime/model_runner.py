@@ -147,9 +147,9 @@ class ModelRunner:
         state.step += 1
         return hidden
 
-    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
         """The LM head over the whole vocabulary, or over only these token ids."""
-        return self.model.logits(hidden, tokens)
+        return self.model.logits(hidden, tokens, as_float)
 
 
 class BeamState:
