@@ -87,7 +87,8 @@ trace: install
 beams: install
 	$(PY) perf/beams.py --throughput --widest $(BEAMS_ARGS)
 
-# LitServe and a naive FastAPI server on the same workload; their packages go in perf/peers/.venv only.
+# LitServe, a naive FastAPI server and vLLM's CPU build on the same workloads; their packages go in
+# perf/peers/.venv and perf/peers/.venv-vllm only (PEERS_ARGS="--servers ... --workloads ...").
 peers: install
 	$(PY) perf/peers/compare.py $(PEERS_ARGS)
 
