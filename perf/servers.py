@@ -90,8 +90,13 @@ class RunningServer:
 
 def server_command(model: str, args: list[str]) -> list[str]:
     """server.py on the model with the given flags, run by this Python; the access log is off, as
-    writing it would be part of every measured request."""
-    return [sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--access-log", "off", *args]
+    writing it would be part of every measured request. A first argument `@PATH` runs PATH/server.py
+    instead: another checkout of the project (a worktree of an older commit, for an A/B), whose
+    server.py imports its own package."""
+    root = ROOT
+    if args and args[0].startswith("@"):
+        root, args = os.path.abspath(args[0][1:]), args[1:]
+    return [sys.executable, os.path.join(root, "server.py"), "--model", model, "--access-log", "off", *args]
 
 
 def server_log(folder: str, name: str) -> str:

@@ -6,7 +6,9 @@ at every concurrency against it, and writes a CSV, two PNG plots and a summary t
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2"
 
 A configuration is NAME=ARGS: ARGS are server.py flags, added after
-`server.py --model MODEL --access-log off` (the port is chosen here). The first configuration
+`server.py --model MODEL --access-log off` (the port is chosen here). ARGS that begin with
+`@PATH` run PATH/server.py, another checkout: `--config "before=@/tmp/wt-before"` measures a
+worktree of an older commit against this one, side by side. The first configuration
 is the baseline that the others' throughput is divided by.
 
 Rounds interleave the configurations (round 1: A then B, round 2: A then B, ...), each
@@ -170,7 +172,8 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
     tokenizer = bench.load_tokenizer(args.model)
     # One list for every point: the same seed gives each point the same first prompts.
     most = max(max(prompts_for(c, args.num_prompts) for c in args.concurrency), args.warmup_prompts)
-    prompts = bench.make_random_prompts(tokenizer, most, args.random_input, args.random_output, seed=args.seed)
+    prompts = bench.make_random_prompts(tokenizer, most, args.random_input, args.random_output,
+                                        args.random_range_ratio, seed=args.seed)
     rows = []
     answers = OutputCheck()
     for round_index in range(1, args.rounds + 1):
@@ -355,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model folder (default: a tiny random Qwen3, built once)")
     parser.add_argument("--random-input", type=int, default=DEFAULT_INPUT, help="prompt tokens")
     parser.add_argument("--random-output", type=int, default=DEFAULT_OUTPUT, help="output tokens")
+    parser.add_argument("--random-range-ratio", type=float, default=1.0,
+                        help="prompt lengths uniform in [input * ratio, input] (1.0: all exactly --random-input)")
     parser.add_argument("--num-prompts", type=int, help="prompts per point (default: max(100, 4 * concurrency))")
     parser.add_argument("--warmup-prompts", type=int, default=16, help="unmeasured requests after each start")
     parser.add_argument("--seed", type=int, default=0)

@@ -143,3 +143,17 @@ def test_families_we_run_and_those_left_to_transformers():
     assert "mistral" in ModelShape(MistralConfig(num_hidden_layers=1)).unsupported()
     scaled = LlamaConfig(num_hidden_layers=1, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     assert "yarn" in (ModelShape(scaled).unsupported() or "yarn")
+
+
+def test_onednn_packed_linears_compute_what_plain_ones_do():
+    from xllm_async.model.layers import Linear, onednn_packing_helps, pack_for_onednn
+
+    if not onednn_packing_helps(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN linear in this torch build")
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        plain = layer(x).float()
+        assert pack_for_onednn(layer) == 1 and layer.weight is None
+        torch.testing.assert_close(layer(x).float(), plain, atol=0.05, rtol=0.02)

@@ -248,10 +248,13 @@ class FixedStepsBatcher:
                 batch = BeamSearchBatch(self.runner, requests, self.metrics, self.trie)
             else:
                 batch = GenerationBatch(self.runner, requests, self.metrics)
+            binding = slot.binding
+            binding.share_cores(self.busy_slots == 1)
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             joining = self._joining.get(slot.index)
             while batch:
+                binding.share_cores(self.busy_slots == 1)
                 if joining:
                     new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
                     if new:

@@ -10,6 +10,57 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be re-laid out once for oneDNN (pack_for_onednn).
+
+    On a CPU in bfloat16, oneDNN's linear on a packed weight is 1.4-2x faster than
+    aten's for the few rows of a decode step, and as fast for a prefill's thousands
+    (measured here: 3072x576, 1 row 236 -> 163 us, 5,000 rows 10.4 -> 10.6 ms).
+    """
+
+    onednn_weight = None  # the packed weight (an opaque oneDNN tensor); then `weight` is None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+# The batch size the packed layout is tuned for: a large one serves every size (a layout tuned
+# for 1 row made 5,000-row prefills 1.6x slower here; one tuned for 5,000 made decode no slower).
+_PACK_HINT = 4096
+
+
+def pack_for_onednn(model: nn.Module) -> int:
+    """Re-lay out every Linear's weight for oneDNN once (the plain weight is dropped: one copy);
+    returns how many were packed."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and module.weight is not None:
+                module.onednn_weight = onednn_packed(module.weight)
+                module.weight = None
+                count += 1
+        if getattr(model, "onednn_lm_head", False) is None:
+            model.onednn_lm_head = onednn_packed(model.lm_head)
+    return count
+
+
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a [out, in] weight laid out for oneDNN's linear (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def onednn_packing_helps(device: torch.device, dtype: torch.dtype) -> bool:
+    """Only bfloat16 on CPU gained (float32 was mixed: faster at 8 rows, slower at 1)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 as transformers does, so that
     bfloat16 models round the same way as the reference."""
@@ -70,8 +121,8 @@ class GatedMlp(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import GatedMlp, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary, onednn_linear
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -61,8 +61,8 @@ class Attention(nn.Module):
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv = nn.Linear(shape.hidden, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
-        self.o = nn.Linear(self.q_size, shape.hidden, bias=shape.o_bias)
+        self.qkv = Linear(shape.hidden, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o = Linear(self.q_size, shape.hidden, bias=shape.o_bias)
         self.q_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
 
@@ -104,6 +104,9 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(shape.hidden, shape.eps)
         self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta, shape.rope_scaling)
         self.lm_head = self.embed.weight if shape.tied else nn.Parameter(torch.empty(shape.vocab, shape.hidden))
+        # The LM head laid out for oneDNN too (pack_for_onednn), for logits over the whole vocabulary;
+        # a copy, since subsets of rows (item tables) and the tied embedding read the plain one.
+        self.onednn_lm_head: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
         """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
@@ -121,6 +124,9 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
         """Logits [rows, vocab], or [rows, len(tokens)] over only these token ids; float32 unless
         as_float is False (then in the model's dtype)."""
-        weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
-        logits = torch.matmul(hidden, weight.t())
+        if tokens is None and self.onednn_lm_head is not None:
+            logits = onednn_linear(hidden, self.onednn_lm_head)
+        else:
+            weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
+            logits = torch.matmul(hidden, weight.t())
         return logits.float() if as_float else logits

@@ -22,9 +22,10 @@ class ExecutionSlot:
     """One thread, one stream. Jobs are plain callables; they never touch asyncio
     objects and hand results back through loop.call_soon_threadsafe themselves."""
 
-    def __init__(self, index: int, device: torch.device, cpu_threads: int, nice: int = 0) -> None:
+    def __init__(self, index: int, device: torch.device, cpu_threads: int, nice: int = 0,
+                 all_threads: int = 0) -> None:
         self.index = index
-        self.binding = StreamBinding(device, cpu_threads)
+        self.binding = StreamBinding(device, cpu_threads, all_threads)
         self.nice = nice  # how much lower than the event loop this thread runs (see lower_priority)
         self.native_id = 0  # the OS thread id, once started
         # Written by the scheduler code running on this thread; read when metrics are scraped.
@@ -84,10 +85,12 @@ def lower_priority(nice: int) -> None:
 
 def start_slots(device: torch.device, count: int, cpu_threads: int = 0, nice: int = 0) -> list[ExecutionSlot]:
     """count slot threads; on CPU each gets cpu_threads intra-op threads (0: cores // count,
-    so that N slots share the cores instead of fighting over all of them), and runs nice
-    steps below the process (lower_priority)."""
-    threads = cpu_threads or max(1, (os.cpu_count() or 1) // count)
-    slots = [ExecutionSlot(i, device, threads, nice) for i in range(count)]
+    so that N slots share the cores instead of fighting over all of them; with 0, a slot whose
+    siblings are idle may use every core: StreamBinding.share_cores), and runs nice steps below
+    the process (lower_priority)."""
+    cores = os.cpu_count() or 1
+    threads = cpu_threads or max(1, cores // count)
+    slots = [ExecutionSlot(i, device, threads, nice, 0 if cpu_threads else cores) for i in range(count)]
     for slot in slots:
         slot.start()
     return slots

@@ -12,6 +12,7 @@ interleaved in one process), and the weights stay in memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 
@@ -25,6 +26,21 @@ ALIGN = 64  # every tensor starts on a cache line
 
 def _padded(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """Torch work on the calling thread (the one that becomes the event loop) with one intra-op
+    thread: a parallel operation there starts an OpenMP team for that thread, and afterwards every
+    forward of a slot with 2 threads runs 20-50% slower in the server. Measured: 7.7 against 5.1 ms
+    a prefill at concurrency 1 (weights packed in parallel), 57 against 38 ms a SmolLM2 decode step
+    (weights loaded in parallel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def pack_weights(model: torch.nn.Module) -> mmap.mmap | None:
@@ -50,20 +66,11 @@ def pack_weights(model: torch.nn.Module) -> mmap.mmap | None:
         pass
     raw = torch.frombuffer(block, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
-    # One intra-op thread for the copies: a parallel copy here (on the thread that
-    # becomes the event loop) starts an OpenMP team for it, and afterwards every
-    # forward of a slot with 2 threads ran 20-50% slower in the server (measured:
-    # 7.7 against 5.1 ms a prefill at concurrency 1), though not offline.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for param, size in zip(params, sizes):
-                view = raw[offset:offset + size].view(param.dtype).view(param.shape)
-                view.copy_(param)
-                param.data = view
-                offset += _padded(size)
-    finally:
-        torch.set_num_threads(threads)
+    with one_intra_op_thread(), torch.no_grad():
+        for param, size in zip(params, sizes):
+            view = raw[offset:offset + size].view(param.dtype).view(param.shape)
+            view.copy_(param)
+            param.data = view
+            offset += _padded(size)
     log.info("weights packed into one %d MiB block of huge pages", total >> 20)
     return block

@@ -22,10 +22,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
+from ..model.layers import onednn_packing_helps, pack_for_onednn
 from ..model.llama import ModelShape
 from ..model.loader import load_model
 from .device import default_kv_cache_bytes, fast_cpu_dtype
-from .host_memory import pack_weights
+from .host_memory import one_intra_op_thread, pack_weights
 
 log = logging.getLogger("xllm_async.model")
 
@@ -66,7 +67,10 @@ class ModelRunner:
         self.device = device
         self.dtype = resolve_dtype(dtype, self.config, device)
         log.info("loading weights from %s (%s)", model_dir, self.dtype)
-        self.model = load_model(model_dir, self.config, device, self.dtype)
+        with one_intra_op_thread():
+            self.model = load_model(model_dir, self.config, device, self.dtype)
+            if onednn_packing_helps(device, self.dtype):
+                log.info("%d linear layers packed for oneDNN", pack_for_onednn(self.model))
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
         self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
         shape = self.model.shape
