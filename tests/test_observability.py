@@ -55,6 +55,11 @@ def test_metrics_parse_and_count_requests(server):
     assert sorted(s.labels["slot"] for s in batches) == ["0", "1"]
     assert sum(s.value for s in batches) > 0
     assert sample_value(after, "xllm:slot_busy_seconds", "xllm:slot_busy_seconds_total", slot="0") > 0
+    # The process's own figures, from prometheus_client's collectors at scrape time.
+    assert sample_value(after, "process_cpu_seconds", "process_cpu_seconds_total") > 0
+    assert sample_value(after, "process_open_fds", "process_open_fds") > 0
+    assert sample_value(after, "process_resident_memory_bytes", "process_resident_memory_bytes") > 0
+    assert after["python_gc_collections"].type == "counter"
 
 
 def log_line(server, marker: str) -> str:

@@ -104,6 +104,28 @@ class PerSlot:
             yield f'{self.name}{{slot="{slot}"}} {float(value)}'
 
 
+class ProcessFigures:
+    """The process's own figures (CPU seconds, memory, open files, start time, garbage collector,
+    Python version) from prometheus_client's collectors, under their standard names.
+
+    They run only when /metrics is scraped. The per-request metrics above stay hand-written:
+    perf/metrics_cost.py measured prometheus_client's updates at 2.6x ours on the hot path
+    (perf/RESULTS.md, "Metrics cost")."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+
+    def render(self) -> Iterable[str]:
+        from prometheus_client import generate_latest
+
+        yield generate_latest(self.registry).decode().rstrip("\n")
+
+
 class _Off:
     """Stands in for every metric when metrics are turned off (to measure what they cost)."""
 

@@ -17,7 +17,7 @@ from .engine.engine import Engine
 from .engine.item_trie import ItemTrie
 from .http.protocol import HttpLimits
 from .http.server import HttpServer
-from .metrics import Gauge, Metrics
+from .metrics import Gauge, Metrics, ProcessFigures
 from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
@@ -101,6 +101,7 @@ class Service:
         if os.path.exists("/proc/self/statm"):
             self.metrics.add(Gauge("process_resident_memory_bytes", "Resident memory of this process.",
                                    resident_memory_bytes))
+        self.metrics.add(ProcessFigures())
 
     async def start(self) -> None:
         s = self.settings
