@@ -36,6 +36,20 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def request_of(finished, ttft, e2e, queue, prefill, batch, prompt, tokens):
+    """One request's updates, in whichever library made the metrics."""
+    def one(value: float) -> None:
+        finished()
+        ttft.observe(value)
+        e2e.observe(value * 1.2)
+        queue.observe(value * 0.1)
+        prefill.observe(value * 0.5)
+        batch.observe(16)
+        prompt.observe(320)
+        tokens()
+    return one
+
+
 def our_request():
     """The updates of one request, with our metrics."""
     requests = ours.Counter("bench_requests_total", "x", ("status",))
@@ -47,16 +61,8 @@ def our_request():
     prompt = ours.Histogram("bench_prompt_tokens", "x", ours.SIZE_BUCKETS)
     tokens = ours.Counter("bench_tokens_total", "x")
 
-    def one(value: float) -> None:
-        requests.inc(1.0, "200")
-        ttft.observe(value)
-        e2e.observe(value * 1.2)
-        queue.observe(value * 0.1)
-        prefill.observe(value * 0.5)
-        batch.observe(16)
-        prompt.observe(320)
-        tokens.inc(321.0)
-    return one
+    return request_of(lambda: requests.inc(1.0, "200"), ttft, e2e, queue, prefill, batch, prompt,
+                      lambda: tokens.inc(321.0))
 
 
 def client_request():
@@ -73,17 +79,9 @@ def client_request():
     prompt = prometheus_client.Histogram("bench_prompt_tokens", "x", buckets=sizes, registry=registry)
     tokens = prometheus_client.Counter("bench_tokens", "x", registry=registry)
 
-    def one(value: float) -> None:
-        # .labels() is looked up per request, as a server does with a status known only at the end.
-        requests.labels("200").inc()
-        ttft.observe(value)
-        e2e.observe(value * 1.2)
-        queue.observe(value * 0.1)
-        prefill.observe(value * 0.5)
-        batch.observe(16)
-        prompt.observe(320)
-        tokens.inc(321.0)
-    return one
+    # .labels() is looked up per request, as a server does with a status known only at the end.
+    return request_of(lambda: requests.labels("200").inc(), ttft, e2e, queue, prefill, batch, prompt,
+                      lambda: tokens.inc(321.0))
 
 
 def time_per_call(fn, n: int) -> float:
