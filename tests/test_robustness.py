@@ -320,6 +320,39 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
     server.stop()
 
 
+def test_a_request_that_reaches_a_draining_server_is_served_and_closes_its_connection(tiny_model_dir):
+    # A balancer may send a request on a connection it opened just before the drain began (its
+    # health check has not seen the 503 yet): it gets its answer, not an error, and the connection
+    # closes after it.
+    server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "60",
+                            "--concurrent-execute-stream-num", "2"])
+    pool = ThreadPoolExecutor(2)
+    late = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    late.request("GET", "/health")  # open before the drain, kept alive
+    assert late.getresponse().read() == b""
+    with server.hold("prefill"):  # keeps the drain going until the late request is in
+        held = pool.submit(post, server.port, "/v1/completions", HOLDER)
+        admitted(server, 1)
+        server.proc.terminate()
+        wait_until(lambda: _try_health(server.port) is None, what="the listener closed")
+
+        def send_late():
+            late.request("POST", "/v1/completions", body=orjson.dumps(HOLDER),
+                         headers={"content-type": "application/json"})
+            response = late.getresponse()
+            return response.status, orjson.loads(response.read()), response.getheader("connection")
+
+        answer = pool.submit(send_late)
+        # Both slots' prefills held: the late request is in (/metrics cannot tell: no new connections).
+        wait_until(lambda: server.hold.held("prefill") == 2, what="the late request admitted")
+    status, body, connection = answer.result()
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    assert connection == "close"
+    assert held.result()[0] == 200
+    assert server.proc.wait(30) == 0
+    server.stop()
+
+
 def _try_health(port: int):
     try:
         return get(port, "/health", timeout=5)[0]

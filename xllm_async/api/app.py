@@ -150,8 +150,8 @@ class OpenAIApp:
 
     async def _generate(self, request: HttpRequest, spec: GenerationSpec, shape_class, prefix: str,
                         responder: Responder) -> None:
-        if self.draining:
-            raise ApiError(503, "Server is shutting down", headers=b"retry-after: 1\r\n")
+        # While draining, a request that reached us is still served: a balancer may have sent it
+        # in the moment before its health check saw the 503. Its connection closes after it.
         num = len(spec.prompts) * spec.n
         stream = OutputStream(num)
         if spec.beam_width is not None:

@@ -102,6 +102,7 @@ class HttpProtocol(asyncio.Protocol):
         self._fields = self._headers  # where the field lines being parsed go (trailers: elsewhere)
         self._http11 = True
         self._peer_done = False  # the client shut its sending side: it sends no more requests
+        self._draining = False  # the server is shutting down: the next request read is the last
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
@@ -271,7 +272,7 @@ class HttpProtocol(asyncio.Protocol):
             url.query.decode("latin-1") if url.query else "", self._headers, b"".join(self._body),
             keep_alive, self._http11, self._client,
         )
-        if not keep_alive:
+        if not keep_alive or self._draining:
             self._stop_reading = True  # the last request of this connection
         self._enqueue(request)
 
@@ -342,6 +343,12 @@ class HttpProtocol(asyncio.Protocol):
         if self._reading_paused and len(self._pipeline) < MAX_PIPELINED // 2:
             self._reading_paused = False
             self._transport.resume_reading()
+
+    def drain(self) -> None:
+        """The server stopped accepting connections and is shutting down. A request that reached
+        this connection is still answered (a balancer may have sent it a moment before its health
+        check saw the drain), with Connection: close; no request after it is read."""
+        self._draining = True
 
     @property
     def busy(self) -> bool:

@@ -41,6 +41,8 @@ class HttpServer:
     def stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
+        for conn in self.connections:
+            conn.drain()
 
     @property
     def busy(self) -> bool:
