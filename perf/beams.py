@@ -361,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--widest-prompt-tokens", type=int, default=2000)
     parser.add_argument("--no-table", dest="table", action="store_false", help="skip the latency table")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkout", help="run PATH/server.py, another checkout (a worktree of an older commit: "
+                                           "today's figures of an issue's 'now' column)")
     return parser
 
 
@@ -381,7 +383,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     table_path, items = write_table(args, tokenizer)
     widest = max([*args.widths, args.throughput_width, *([args.widest_width] if args.widest else [])])
     longest = max(args.prompt_tokens, args.widest_prompt_tokens if args.widest else 0) + args.rounds
-    server_args = ["--dtype", args.dtype, "--scheduler", "fixed_steps", "--concurrent-execute-stream-num",
+    server_args = [*([f"@{args.checkout}"] if args.checkout else []), "--dtype", args.dtype, "--scheduler", "fixed_steps", "--concurrent-execute-stream-num",
                    str(args.ours_streams), "--max-beam-width", str(widest), "--max-num-return-sequences", str(widest),
                    "--max-model-len", str(longest), *args.server_arg]
     return Setup(model, tokenizer, table_path, items, server_args)
