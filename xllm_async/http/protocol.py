@@ -103,6 +103,7 @@ class HttpProtocol(asyncio.Protocol):
         self._http11 = True
         self._peer_done = False  # the client shut its sending side: it sends no more requests
         self._draining = False  # the server is shutting down: the next request read is the last
+        self._valid_host = ""  # the last Host value that passed the check
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
@@ -229,8 +230,10 @@ class HttpProtocol(asyncio.Protocol):
         else:
             raise ApiError(505, f"HTTP/{version} is not supported; use HTTP/1.1")
         host = headers.get("host")
-        if host is not None and HOST.fullmatch(host) is None:
-            raise ApiError(400, "Invalid Host header")
+        if host is not None and host != self._valid_host:  # a connection's requests repeat their Host
+            if HOST.fullmatch(host) is None:
+                raise ApiError(400, "Invalid Host header")
+            self._valid_host = host
         coding = headers.get("transfer-encoding")
         if coding is not None:
             self._check_transfer_coding(coding)
@@ -238,7 +241,7 @@ class HttpProtocol(asyncio.Protocol):
         if length is not None and length.isdigit() and int(length) > self._max_body:
             raise ApiError(413, f"Request body larger than {self._max_body} bytes")
         # An HTTP/1.0 client's 100-continue expectation is ignored (RFC 9110 §10.1.1).
-        if self._http11 and headers.get("expect", "").lower() == "100-continue":
+        if self._http11 and "expect" in headers and headers["expect"].lower() == "100-continue":
             self._transport.write(CONTINUE)
 
     def _check_transfer_coding(self, coding: str) -> None:
