@@ -88,18 +88,31 @@ def answer_of(status: int, body: bytes, stream: bool) -> str:
     if status != 200:
         return Broken(f"HTTP {status}: {body[:200]!r}")
     if not stream:
-        return json.loads(body)["choices"][0]["text"]
+        choices = json.loads(body)["choices"]
+        if len(choices) > 1:  # a beam search: every returned sequence, best first
+            return " | ".join(str(c["token_ids"]) for c in choices)
+        return choices[0]["text"]
     events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
     if not events or events[-1] != b"[DONE]":
         return Broken("stream without [DONE]")
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
 
 
-def make_requests(rng: random.Random, count: int, max_prompt: int) -> list[dict]:
+def make_requests(rng: random.Random, count: int, max_prompt: int, beam_share: float = 0.0) -> list[dict]:
+    """Mixed lengths, greedy, half streamed; a `beam_share` of them beam searches (recommendation:
+    beam_width 4-16, every beam returned, 3 rounds; never streamed)."""
     lengths = sorted({8, 40, max_prompt // 2, max_prompt})
-    return [{"prompt": [rng.randrange(200, 150000) for _ in range(rng.choice(lengths))],
-             "max_tokens": rng.choice([1, 1, 2, 8, 32]), "temperature": 0, "ignore_eos": True,
-             "stream": rng.random() < 0.5} for _ in range(count)]
+    bodies = []
+    for _ in range(count):
+        prompt = [rng.randrange(200, 150000) for _ in range(rng.choice(lengths))]
+        if rng.random() < beam_share:
+            width = rng.choice([4, 8, 16])
+            bodies.append({"prompt": prompt, "max_tokens": 3, "beam_width": width, "num_return_sequences": width,
+                           "stream": False})
+        else:
+            bodies.append({"prompt": prompt, "max_tokens": rng.choice([1, 1, 2, 8, 32]), "temperature": 0,
+                           "ignore_eos": True, "stream": rng.random() < 0.5})
+    return bodies
 
 
 async def load(port: int, bodies: list[dict], references: list[str], total: int, concurrency: int,
@@ -155,7 +168,7 @@ async def settle(port: int, timeout: float = 30.0) -> dict[str, float]:
 
 async def soak(port: int, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    bodies = make_requests(rng, args.distinct, args.max_prompt)
+    bodies = make_requests(rng, args.distinct, args.max_prompt, args.beam_share)
     references = []
     for body in bodies:  # one at a time: no batching can influence the reference
         status, data = await exchange(port, body, None, rng)
@@ -207,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disconnect-share", type=float, default=0.2)
     parser.add_argument("--distinct", type=int, default=24, help="distinct prompts (each with its reference)")
     parser.add_argument("--max-prompt", type=int, default=300, help="longest prompt (max_tokens is up to 32)")
+    parser.add_argument("--beam-share", type=float, default=0.0,
+                        help="share of the distinct prompts that are beam searches (fixed_steps only)")
     parser.add_argument("--rss-growth", type=float, default=0.10, help="allowed growth of resident memory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model folder (default: a tiny random Qwen3 built once)")

@@ -96,6 +96,20 @@ def test_shared_prompt_beams_equal_copied_prompt_beams(native, copied):
     assert run_beams(native, prompts, widths, rounds) == run_beams(copied, prompts, widths, rounds)
 
 
+def test_beams_over_the_vocabulary_in_column_blocks_equal_one_block(native, copied, monkeypatch):
+    """Without a table a round walks the vocabulary in blocks (top-k and log-sum-exp per block):
+    blocks of ~1,000 columns, a last one shorter, give what one block of all 151,669 gives."""
+    import xllm_async.engine.beam as beam
+
+    prompts = random_prompts(16, [25, 7, 40])
+    widths, rounds = [8, 16, 3], [3, 2, 3]
+    whole = run_beams(native, prompts, widths, rounds)
+    rows = sum(widths)
+    monkeypatch.setattr(beam, "LOGITS_BLOCK_BYTES", rows * 4 * 1000)  # float32 test model: ~1,000 columns a block
+    assert run_beams(native, prompts, widths, rounds) == whole
+    assert run_beams(copied, prompts, widths, rounds) == whole
+
+
 def test_item_constrained_beams_agree_on_both_engines(native, copied):
     from xllm_async.engine.item_trie import ItemTrie
 

@@ -24,6 +24,9 @@ import torch
 
 from .request import Delta, QueuedRequest
 
+# Logits held at once by a beam round without an item table (see BeamSearchBatch._row_tops).
+LOGITS_BLOCK_BYTES = 32 << 20
+
 
 class BeamResult:
     """One final sequence of a beam search."""
@@ -133,33 +136,28 @@ class BeamSearchBatch:
     def _choose(self, hidden: torch.Tensor) -> None:
         """hidden: a row per live beam of every group, in order -> each group's next beams."""
         depth = self.groups[0].round  # every group of a batch is at the same round
-        # In the model's dtype: a bfloat16 model's logits are bfloat16 already, and a float32 copy of
-        # beams x vocabulary, then its log_softmax, cost 3x the bfloat16 log_softmax (75 against 23 ms
-        # for 128 x 151,669 here); the chosen scores are summed in float32.
+        widest = max(g.request.beam_width for g in self.groups)
         if self.trie is None:
             vocab = None
-            logits = self.runner.logits(hidden, as_float=False)
+            top_scores, top_columns = self._row_tops(hidden, widest)
         else:
             vocab = self.trie.vocab[depth]
-            logits = self.runner.logits(hidden, vocab, as_float=False)
             allowed = self.trie.allowed(depth, [n for g in self.groups for n in g.nodes])
-            logits.masked_fill_(~allowed, float("-inf"))
-        logprobs = torch.log_softmax(logits, dim=-1)
+            top_scores, top_columns = self._row_tops(hidden, widest, vocab, allowed)
         start = 0
         for g in self.groups:
             rows = len(g.tokens)
             width = g.request.beam_width
             # The best `width` continuations of a group are among each beam's own best `width`
             # tokens: rank those (rows x width), never the whole rows x vocabulary.
-            each = min(width, logprobs.shape[1])
-            top_scores, top_columns = logprobs[start:start + rows].topk(each, dim=-1)
-            candidates = (g.scores[:, None] + top_scores.float()).flatten()
+            each = min(width, top_scores.shape[1])
+            candidates = (g.scores[:, None] + top_scores[start:start + rows, :each]).flatten()
             scores, flat = candidates.topk(min(width, candidates.numel()))
             if vocab is not None:  # a table may offer fewer paths than beams: drop the impossible ones
                 finite = scores > float("-inf")
                 scores, flat = scores[finite], flat[finite]
             beams = (flat // each).tolist()
-            columns = top_columns.flatten()[flat]
+            columns = top_columns[start:start + rows, :each].flatten()[flat]
             tokens = (columns if vocab is None else vocab[columns]).tolist()
             g.tokens = [g.tokens[b] + [t] for b, t in zip(beams, tokens)]
             if vocab is not None:
@@ -167,6 +165,40 @@ class BeamSearchBatch:
             g.scores, g.parents = scores, beams
             g.round += 1
             start += rows
+
+    def _row_tops(self, hidden: torch.Tensor, k: int, vocab: torch.Tensor | None = None,
+                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k best log-probabilities (float32, best first) and their columns.
+
+        A row's ranking by log-probability is its ranking by logit (log_softmax only subtracts
+        the row's log-sum-exp), so no log_softmax of the whole rows x vocabulary is made. Without
+        a table the vocabulary is walked in column blocks of about LOGITS_BLOCK_BYTES: each
+        block's logits give its top k and its log-sum-exp, then are dropped. A beam-256 round
+        of a 151,669-token vocabulary thus holds 32 MB of logits, not the 155 MB of its logits
+        and as much again for their log_softmax, and the LM head's weight is still read once.
+        Logits stay in the model's dtype (a float32 copy of them costs 3x, see git history);
+        each block's log-sum-exp is combined in float32."""
+        if vocab is not None:  # an item table: only that depth's tokens, a few hundred columns
+            logits = self.runner.logits(hidden, vocab, as_float=False)
+            logits.masked_fill_(~allowed, float("-inf"))
+            top, columns = logits.topk(min(k, logits.shape[1]), dim=-1)
+            return top.float() - torch.logsumexp(logits, dim=-1).float()[:, None], columns
+        vocab_size = self.runner.vocab_size
+        block = max(k, LOGITS_BLOCK_BYTES // (hidden.shape[0] * hidden.element_size()))
+        tops, columns, sums = [], [], []
+        for start in range(0, vocab_size, block):
+            end = min(vocab_size, start + block)
+            logits = self.runner.logits(hidden, as_float=False, columns=(start, end))
+            top, column = logits.topk(min(k, end - start), dim=-1)
+            tops.append(top)
+            columns.append(column + start)
+            sums.append(torch.logsumexp(logits, dim=-1).float())
+        top, column = torch.cat(tops, dim=1), torch.cat(columns, dim=1)
+        if len(tops) > 1:
+            top, pick = top.topk(min(k, top.shape[1]), dim=-1)
+            column = column.gather(1, pick)
+        lse = torch.logsumexp(torch.stack(sums, dim=1), dim=1) if len(sums) > 1 else sums[0]
+        return top.float() - lse[:, None], column
 
     def _finish_done(self) -> list:
         items = []

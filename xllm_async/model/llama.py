@@ -121,10 +121,14 @@ class CausalLM(nn.Module):
         x = last(x, cos, sin, ctx, keep)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
-        """Logits [rows, vocab], or [rows, len(tokens)] over only these token ids; float32 unless
-        as_float is False (then in the model's dtype)."""
-        if tokens is None and self.onednn_lm_head is not None:
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
+               columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """Logits [rows, vocab]; or [rows, len(tokens)] over only these token ids; or over the
+        vocabulary's columns [start, end) (a view of the head's rows, nothing copied). float32
+        unless as_float is False (then in the model's dtype)."""
+        if columns is not None:
+            logits = torch.matmul(hidden, self.lm_head[columns[0]:columns[1]].t())
+        elif tokens is None and self.onednn_lm_head is not None:
             logits = onednn_linear(hidden, self.onednn_lm_head)
         else:
             weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)

@@ -145,7 +145,10 @@ class TransformersRunner:
         state.widths = widths
         return self.decode(state.kv, tokens)
 
-    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
+               columns: tuple[int, int] | None = None) -> torch.Tensor:
+        if columns is not None:
+            return hidden[:, columns[0]:columns[1]]
         return hidden if tokens is None else hidden.index_select(1, tokens)
 
 

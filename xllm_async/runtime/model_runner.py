@@ -151,9 +151,10 @@ class ModelRunner:
         state.step += 1
         return hidden
 
-    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True) -> torch.Tensor:
-        """The LM head over the whole vocabulary, or over only these token ids."""
-        return self.model.logits(hidden, tokens, as_float)
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
+               columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """The LM head over the whole vocabulary, only these token ids, or the columns [start, end)."""
+        return self.model.logits(hidden, tokens, as_float, columns)
 
 
 class BeamState:
