@@ -353,6 +353,32 @@ def test_a_request_that_reaches_a_draining_server_is_served_and_closes_its_conne
     server.stop()
 
 
+def test_a_connection_accepted_just_before_the_drain_gets_its_first_request_answered(tiny_model_dir):
+    # A balancer opens a connection to send a request. If SIGTERM lands between the accept and the
+    # request, the drain must wait for that request (FIRST_REQUEST_GRACE, 2 s; here it comes at
+    # once) rather than close the connection under it: HAProxy would answer its client by closing
+    # a kept-alive connection without a response.
+    server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "60"])
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        wait_until(lambda: metric(server, "xllm:http_connections_open") >= 2, what="the connection accepted")
+        server.proc.terminate()  # nothing in flight: only the fresh connection keeps the drain open
+        wait_until(lambda: _try_health(server.port) is None, what="the listener closed")
+        body = orjson.dumps(HOLDER)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    finally:
+        sock.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower()
+    assert orjson.loads(payload)["usage"]["completion_tokens"] == 3
+    assert server.proc.wait(30) == 0
+    server.stop()
+
+
 def _try_health(port: int):
     try:
         return get(port, "/health", timeout=5)[0]

@@ -31,6 +31,9 @@ log = logging.getLogger("xllm_async.http")
 MAX_PIPELINED = 32  # unanswered requests per connection before we stop reading
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
+# A connection accepted this recently without a request yet is about to send one (a balancer opens
+# a connection to send a request): a drain waits for it rather than close it under that request.
+FIRST_REQUEST_GRACE = 2.0
 MAX_URL_BYTES = 16 * 1024  # a longer request-target gets 414 (RFC 9112 §3)
 # Host = uri-host [ ":" port ] (RFC 9110 §7.2, RFC 3986 §3.2.2); empty is allowed (RFC 9112 §3.2).
 HOST = re.compile(r"(?:\[[0-9A-Za-z:.]+\]|[0-9A-Za-z\-._~!$&'()*+,;=%]*)(?::[0-9]*)?")
@@ -104,6 +107,9 @@ class HttpProtocol(asyncio.Protocol):
         self._peer_done = False  # the client shut its sending side: it sends no more requests
         self._draining = False  # the server is shutting down: the next request read is the last
         self._valid_host = ""  # the last Host value that passed the check
+        self._accepted_at = 0.0
+        self._receiving = False  # a request has begun and is not complete yet
+        self._requests = 0  # requests begun on this connection
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
@@ -124,6 +130,7 @@ class HttpProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
         self._connections.add(self)
+        self._accepted_at = self._loop.time()
         self._set_deadline("idle", self._limits.keep_alive_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -193,6 +200,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._stop_reading:
             raise StopParsing  # after a request that closes the connection, none is processed (RFC 9112 §9.6)
         self._set_deadline("read", self._limits.read_timeout)
+        self._receiving = True
+        self._requests += 1
         self._url = b""
         self._headers = self._fields = {}
         self._header_bytes = 0
@@ -267,6 +276,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._deadline_kind = ""  # the handler owns the time from here
+        self._receiving = False
         parser = self._parser
         url = httptools.parse_url(self._url)
         keep_alive = parser.should_keep_alive()
@@ -357,6 +367,16 @@ class HttpProtocol(asyncio.Protocol):
     def busy(self) -> bool:
         """A request is being answered or waits its turn on this connection."""
         return self._current is not None or bool(self._pipeline)
+
+    @property
+    def drain_waits(self) -> bool:
+        """A drain must not close this connection yet: a request is being answered, waits, is
+        being received, or is about to come on a connection just accepted."""
+        if self.closed:
+            return False
+        if self.busy or (self._receiving and not self._stop_reading):
+            return True
+        return self._requests == 0 and self._loop.time() - self._accepted_at < FIRST_REQUEST_GRACE
 
     # --- used by Responder ---
 

@@ -46,7 +46,8 @@ class HttpServer:
 
     @property
     def busy(self) -> bool:
-        return any(c.busy for c in self.connections)
+        """Whether a drain must wait: a connection has a request in hand, or will have one soon."""
+        return any(c.drain_waits for c in self.connections)
 
     def close_all(self) -> None:
         if self._tick_handle is not None:
