@@ -141,3 +141,41 @@ def test_a_deep_pipeline_pauses_reading_and_still_answers_every_request_in_order
     responses = split_responses(raw_exchange(server.port, data, timeout=60))
     assert [s for s, _ in responses] == [200] * 80 + [200]
     assert all(orjson.loads(b)["usage"]["prompt_tokens"] == 2 for _, b in responses[:80])
+
+
+async def test_connections_waiting_in_the_accept_queue_at_a_drain_are_answered():
+    # The loop is kept from accepting (this coroutine does not yield) while clients connect and
+    # send: their connections sit in the kernel's accept queue. Closing the listener would reset
+    # them; stop_accepting accepts them first, and each request is answered, with a close.
+    import asyncio
+
+    from xllm_async.http.protocol import HttpLimits
+    from xllm_async.http.server import HttpServer
+
+    async def handler(req, responder):
+        responder.send(200, b'{"ok":true}')
+
+    server = HttpServer(handler, HttpLimits())
+    await server.start("127.0.0.1", 0)
+    clients = []
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)  # the kernel completes it
+        sock.sendall(request("GET", "/anything"))
+        clients.append(sock)
+    server.stop_accepting()  # before the loop has run once since the connects
+    while server.busy:
+        await asyncio.sleep(0.01)
+
+    def read_all(sock):
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+    answers = await asyncio.gather(*[asyncio.to_thread(read_all, s) for s in clients])
+    server.close_all()
+    for sock in clients:
+        sock.close()
+    for data in answers:
+        (status, body), = split_responses(data)
+        assert status == 200 and body == b'{"ok":true}' and b"connection: close" in data.lower()
