@@ -477,6 +477,8 @@ def event_text(event: dict, chat: bool) -> str:
 
 
 def whole_text(response: dict, chat: bool) -> str:
+    if not response["choices"]:  # answered, with nothing in it (an item search that found no item)
+        return ""
     choice = response["choices"][0]
     return (choice["message"].get("content") or "") if chat else (choice.get("text") or "")
 
