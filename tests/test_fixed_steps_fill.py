@@ -37,6 +37,7 @@ def finished_elsewhere(batcher: FixedStepsBatcher, size: int, prefill_seconds: f
     """As if a batch of `size` had just finished on a slot outside the test: its clients are on their way."""
     batcher._last_batch = (size, prefill_seconds)
     batcher._returning = size
+    batcher._owed.append([batcher._loop.time(), size])
 
 
 async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
@@ -275,3 +276,33 @@ async def test_a_wait_ends_when_its_timer_fires_whatever_the_clock_reads():
         clock.advance(0.02)
         await started(batcher, slots)
         assert [len(b) for b in slots[0].batches] == [1, 1]  # it went alone when the timer fired
+
+
+async def test_requests_that_arrive_on_their_own_are_not_waited_for(two_slots):
+    # Open loop: each finished batch's "clients" are repaid only by arrivals that come a whole
+    # prefill later (strangers, not clients coming back). Once that is the average, a free slot
+    # beside a busy one starts at once instead of holding its request for company.
+    batcher, slots, clock = two_slots
+    batcher.add([request(max_tokens=500)])  # slot 0 busy for good
+    await started(batcher, slots)
+    for _ in range(8):
+        finished_elsewhere(batcher, 2, 0.010)
+        clock.advance(0.012)  # the next arrivals come a prefill and more after the batch ended
+        batcher._repay(2)
+    assert batcher._return_delay > 0.010 * 0.5
+    finished_elsewhere(batcher, 3, 0.010)
+    batcher.add([request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # started, no wait
+
+
+async def test_clients_that_come_back_at_once_are_still_waited_for(two_slots):
+    batcher, slots, clock = two_slots
+    batcher.add([request(max_tokens=500)])
+    await started(batcher, slots)
+    for _ in range(8):
+        finished_elsewhere(batcher, 2, 0.010)
+        clock.advance(0.0005)  # closed loop: back within a twentieth of a prefill
+        batcher._repay(2)
+    finished_elsewhere(batcher, 3, 0.010)
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1  # this one waits for company

@@ -17,6 +17,11 @@ from .budget import BatchBudget
 from .request import EngineRequest, QueuedRequest
 
 log = logging.getLogger("xllm_async.scheduler")
+# A batch waits for company only while finished batches' clients have been back within this
+# share of a prefill, on average (RETURN_DELAY_WEIGHT: the weight of the latest batch in it).
+RETURN_WITHIN = 0.5
+RETURN_DELAY_WEIGHT = 0.25
+MAX_OWED = 64  # finished batches whose clients are tracked
 SHORT_BATCH_STEPS = 4  # a batch of at most this many tokens per sequence is prefill-bound: short
 
 
@@ -53,8 +58,15 @@ class FixedStepsBatcher:
         self._released_at = -math.inf  # loop time when it finished
         self._waited_at_release = 0  # requests already waiting then
         # Clients answered by finished batches whose next requests have not arrived yet (a
-        # closed-loop estimate: every arrival counts as one of them coming back).
+        # closed-loop estimate: every arrival counts as one of them coming back), and the same
+        # per batch, oldest first: [loop time it finished, clients not back yet].
         self._returning = 0
+        self._owed: deque[list] = deque()
+        # How long a finished batch's clients took to be back, a running average over batches.
+        # Clients in a closed loop send their next request at once; requests that arrive on their
+        # own (open loop) repay a batch only as fast as they arrive, about a batch's time later,
+        # and waiting for them is waiting for strangers. 0 until measured: a closed loop is assumed.
+        self._return_delay = 0.0
         self._running: dict[int, tuple[int, int]] = {}  # slot index -> (requests, steps) of its batch
         # Free slots, the most recently freed last: it is taken first, so that
         # at low load one thread (and its core's caches) does the work.
@@ -79,7 +91,8 @@ class FixedStepsBatcher:
 
     def add(self, requests: list[QueuedRequest]) -> None:
         self.waiting.extend(requests)
-        self._returning = max(0, self._returning - len(requests))
+        if self._returning:
+            self._repay(len(requests))
         # A free slot with nothing worth waiting for starts the batch right here,
         # not one loop iteration later in _run: that hop is tens of microseconds
         # on a lone request's latency.
@@ -89,6 +102,20 @@ class FixedStepsBatcher:
             self._join()
         if self.waiting:
             self._arrived.set()
+
+    def _repay(self, arrived: int) -> None:
+        """Count arrivals as the clients of finished batches coming back, oldest batch first;
+        a batch whose clients are all back adds how long that took to the running average."""
+        self._returning = max(0, self._returning - arrived)
+        now = self._loop.time()
+        while arrived and self._owed:
+            entry = self._owed[0]
+            back = min(arrived, entry[1])
+            entry[1] -= back
+            arrived -= back
+            if not entry[1]:
+                self._owed.popleft()
+                self._return_delay += RETURN_DELAY_WEIGHT * (now - entry[0] - self._return_delay)
 
     def _join(self) -> None:
         """Every slot is busy: hand the generation requests at the front of the queue to the
@@ -132,6 +159,10 @@ class FixedStepsBatcher:
         if not self._returning:
             # Every answered client is back already (another slot may have taken them): waiting
             # could only end at the timer or a freed slot, with the cores idle meanwhile.
+            return False
+        if self._return_delay > self._last_batch[1] * RETURN_WITHIN:
+            # Answered clients have not been coming back right away (requests arrive on their
+            # own): a wait would hold these requests for arrivals no answer brings sooner.
             return False
         if others_busy > 0:
             expected = self._last_batch[0]
@@ -224,6 +255,11 @@ class FixedStepsBatcher:
         self._last_batch = (size, prefill_seconds)
         self._returning += size
         self._released_at = self._loop.time()
+        self._owed.append([self._released_at, size])
+        if len(self._owed) > MAX_OWED:  # clients that never came back: count the wait so far
+            released_at, never = self._owed.popleft()
+            self._returning -= never
+            self._return_delay += RETURN_DELAY_WEIGHT * (self._released_at - released_at - self._return_delay)
         self._waited_at_release = self._drop_aborted()
         self._idle.append(slot)
         self._arrived.set()
