@@ -22,9 +22,11 @@ from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
 from .runtime.hold import maybe_hold
+from .runtime.host_memory import heap_trimmer
 from .runtime.model_runner import ModelRunner, load_runner
 
 log = logging.getLogger("xllm_async.server")
+TRIM_INTERVAL = 5.0  # seconds between two malloc_trim calls
 
 
 def resident_memory_bytes() -> int:
@@ -37,6 +39,8 @@ class Service:
         """Load the model (unless one is given) and start the execution slots.
         Must run inside the event loop that will serve."""
         self.settings = settings
+        self._trim = None
+        self._trim_handle: asyncio.TimerHandle | None = None
         try:
             self.items = ItemTable.load(settings.item_table) if settings.item_table else None
         except ItemTableError as exc:
@@ -114,10 +118,19 @@ class Service:
         # collection would otherwise hold the GIL for ~170 ms, stalling every slot.
         gc.collect()
         gc.freeze()
+        self._trim = heap_trimmer()
+        if self._trim is not None:
+            self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL, self._trim_heap)
         shown = {k: ("***" if k == "api_key" and v else v) for k, v in vars(s).items()}
         log.info("configuration: %s", ", ".join(f"{k}={v}" for k, v in shown.items()))
         log.info("serving %s on http://%s:%d (%s scheduler, %d slot(s), device %s)", self.name, s.host,
                  self.http.port, s.scheduler, len(self.slots), self.runner.device)
+
+    def _trim_heap(self) -> None:
+        """Free heap pages back to the system (host_memory.heap_trimmer): a few ms on the loop
+        every TRIM_INTERVAL seconds, while slot threads go on (they wait only to allocate)."""
+        self._trim()
+        self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL, self._trim_heap)
 
     async def shutdown(self) -> None:
         """Stop accepting, let what was admitted finish within the drain time,
@@ -134,5 +147,7 @@ class Service:
             self.engine.end_all("shutdown", "Server shut down before this request could finish")
             await asyncio.sleep(0.05)  # let the handlers write those answers
         self.http.close_all()
+        if self._trim_handle is not None:
+            self._trim_handle.cancel()
         await self.engine.stop()
         log.info("stopped")

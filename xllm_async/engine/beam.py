@@ -25,7 +25,7 @@ import torch
 from .request import Delta, QueuedRequest
 
 # Logits held at once by a beam round without an item table (see BeamSearchBatch._row_tops).
-LOGITS_BLOCK_BYTES = 32 << 20
+LOGITS_BLOCK_BYTES = 8 << 20
 
 
 class BeamResult:
@@ -174,7 +174,7 @@ class BeamSearchBatch:
         the row's log-sum-exp), so no log_softmax of the whole rows x vocabulary is made. Without
         a table the vocabulary is walked in column blocks of about LOGITS_BLOCK_BYTES: each
         block's logits give its top k and its log-sum-exp, then are dropped. A beam-256 round
-        of a 151,669-token vocabulary thus holds 32 MB of logits, not the 155 MB of its logits
+        of a 151,669-token vocabulary thus holds 8 MB of logits at a time, not the 155 MB of its logits
         and as much again for their log_softmax, and the LM head's weight is still read once.
         Logits stay in the model's dtype (a float32 copy of them costs 3x, see git history);
         each block's log-sum-exp is combined in float32."""

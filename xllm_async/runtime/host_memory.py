@@ -13,6 +13,8 @@ interleaved in one process), and the weights stay in memory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import mmap
 
@@ -74,3 +76,21 @@ def pack_weights(model: torch.nn.Module) -> mmap.mmap | None:
             offset += _padded(size)
     log.info("weights packed into one %d MiB block of huge pages", total >> 20)
     return block
+
+
+def heap_trimmer():
+    """glibc's malloc_trim, or None where there is none (musl, macOS).
+
+    Each slot thread and each OpenMP worker allocates from a malloc arena of its own, and a
+    forward's tensors come in many sizes (a beam round's logits blocks, packed prompts of any
+    length). Freed chunks stay in those arenas: in a 10,000-request soak with beam searches the
+    resident memory rose from 1.4 to 2.5 GB with nothing alive in it. malloc_trim(0) hands every
+    arena's free pages back; the service calls it every few seconds (TRIM_INTERVAL)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
