@@ -285,20 +285,12 @@ class FixedStepsBatcher:
             else:
                 batch = GenerationBatch(self.runner, requests, self.metrics)
             binding = slot.binding
-
-            def fit_cores() -> None:
-                binding.share_cores(self.busy_slots == 1)
-
-            fit_cores()
-            # Between layers too: a slot that started alone on every core gives them back at the
-            # next layer once another slot starts, instead of both running more threads than
-            # there are cores to the end of the forward.
-            self.runner.set_layer_hook(fit_cores)
+            binding.share_cores(self.busy_slots == 1)
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             joining = self._joining.get(slot.index)
             while batch:
-                fit_cores()
+                binding.share_cores(self.busy_slots == 1)
                 if joining:
                     new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
                     if new:

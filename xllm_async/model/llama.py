@@ -10,8 +10,6 @@ is a separate call so that beam search can compute only the tokens it may take.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -110,16 +108,13 @@ class CausalLM(nn.Module):
         # a copy, since subsets of rows (item tables) and the tied embedding read the plain one.
         self.onednn_lm_head: torch.Tensor | None = None
 
-    def forward(self, tokens: torch.Tensor, ctx, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """tokens [rows] -> final hidden states [rows that need logits, hidden]. between_layers,
-        if given, is called after every layer but the last (the caller's own bookkeeping)."""
+    def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
+        """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
         x = self.embed(tokens)
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
         last = self.layers[-1]
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, ctx)
-            if between_layers is not None:
-                between_layers()
         keep = getattr(ctx, "last", None)
         if keep is not None:
             ctx.last_only = True

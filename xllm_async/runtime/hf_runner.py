@@ -145,9 +145,6 @@ class TransformersRunner:
         state.widths = widths
         return self.decode(state.kv, tokens)
 
-    def set_layer_hook(self, hook) -> None:
-        """transformers' forward has no place for it: its slots keep the threads they start with."""
-
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
         if columns is not None:

@@ -13,7 +13,6 @@ load_runner() picks one and says which in the log.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 import logging
 import threading
 import time
@@ -104,14 +103,6 @@ class ModelRunner:
     def _ids(self, tokens) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long).to(self.device)
 
-    def set_layer_hook(self, hook: Callable[[], None] | None) -> None:
-        """Called between the layers of this thread's forwards (an execution slot fits its CPU
-        threads to what the other slots are doing, layer by layer)."""
-        self._local.hook = hook
-
-    def _forward(self, tokens: list[int], ctx) -> torch.Tensor:
-        return self.model(self._ids(tokens), ctx, getattr(self._local, "hook", None))
-
     def prefill(self, prompts: list[list[int]], capacity: int = 0,
                 into: SlabCache | None = None) -> tuple[torch.Tensor, SlabCache | None]:
         """Run the prompts packed; return last-position logits [rows, vocab] and the cache.
@@ -127,13 +118,13 @@ class ModelRunner:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
         ctx = PackedPrefill(lengths, self.device, cache, first)
-        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), ctx)
+        hidden = self.model(self._ids(list(itertools.chain.from_iterable(prompts))), ctx)
         return self.model.logits(hidden), cache
 
     def decode(self, kv: SlabCache, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
         kv.ensure_room()
-        hidden = self._forward(tokens, Decode(kv))
+        hidden = self.model(self._ids(tokens), Decode(kv))
         kv.step()
         return self.model.logits(hidden)
 
@@ -147,7 +138,8 @@ class ModelRunner:
         if rounds > 1:
             cache = SlabCache(self._arena(), len(prompts), max(lengths))
             cache.add_rows(lengths, max(lengths))
-        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache))
+        hidden = self.model(self._ids(list(itertools.chain.from_iterable(prompts))),
+                            PackedPrefill(lengths, self.device, cache))
         return hidden, BeamState(cache, lengths, sum(widths), rounds, self.kv_layout, self.device)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
@@ -155,7 +147,7 @@ class ModelRunner:
         parents[i]: the row of the last round that beam i continues; widths: live beams per request."""
         state.follow(parents, widths)
         ctx = BeamDecode(state.prompts, state.lengths, state.starts, state.own, state.step, self.device)
-        hidden = self._forward(tokens, ctx)
+        hidden = self.model(self._ids(tokens), ctx)
         state.step += 1
         return hidden
 
