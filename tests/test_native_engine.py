@@ -98,16 +98,31 @@ def test_shared_prompt_beams_equal_copied_prompt_beams(native, copied):
 
 def test_beams_over_the_vocabulary_in_column_blocks_equal_one_block(native, copied, monkeypatch):
     """Without a table a round walks the vocabulary in blocks (top-k and log-sum-exp per block):
-    blocks of ~1,000 columns, a last one shorter, give what one block of all 151,669 gives."""
+    blocks of 1,000 columns, a last one shorter, give what one block of all 151,669 gives."""
     import xllm_async.engine.beam as beam
 
     prompts = random_prompts(16, [25, 7, 40])
     widths, rounds = [8, 16, 3], [3, 2, 3]
+    monkeypatch.setattr(beam, "LOGITS_BLOCK_COLUMNS", 1 << 20)
     whole = run_beams(native, prompts, widths, rounds)
-    rows = sum(widths)
-    monkeypatch.setattr(beam, "LOGITS_BLOCK_BYTES", rows * 4 * 1000)  # float32 test model: ~1,000 columns a block
+    monkeypatch.setattr(beam, "LOGITS_BLOCK_COLUMNS", 1000)
     assert run_beams(native, prompts, widths, rounds) == whole
     assert run_beams(copied, prompts, widths, rounds) == whole
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_beam_search_answers_the_same_alone_and_in_any_batch(tiny_model_dir, dtype):
+    """A request's beams must not depend on which requests share its batch, in bfloat16 too,
+    where logits tie often: the vocabulary's blocks and each request's top-k are its own."""
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
+    runner.set_kv_cache(64 << 20, 1)
+    prompts = random_prompts(17, [30, 12, 50, 8])
+    widths, rounds = [4, 16, 8, 16], [3, 3, 3, 3]
+    alone = [run_beams(runner, [p], [w], [r])[0] for p, w, r in zip(prompts, widths, rounds)]
+    assert run_beams(runner, prompts, widths, rounds) == alone
+    assert run_beams(runner, prompts[1::2], widths[1::2], rounds[1::2]) == alone[1::2]  # one width
 
 
 def test_item_constrained_beams_agree_on_both_engines(native, copied):

@@ -24,8 +24,10 @@ import torch
 
 from .request import Delta, QueuedRequest
 
-# Logits held at once by a beam round without an item table (see BeamSearchBatch._row_tops).
-LOGITS_BLOCK_BYTES = 8 << 20
+# Vocabulary columns a beam round without an item table takes at a time (BeamSearchBatch._row_tops).
+# A fixed width, never one derived from the batch's rows: a beam's scores must not depend on which
+# other requests share its batch.
+LOGITS_BLOCK_COLUMNS = 16384
 
 
 class BeamResult:
@@ -136,69 +138,90 @@ class BeamSearchBatch:
     def _choose(self, hidden: torch.Tensor) -> None:
         """hidden: a row per live beam of every group, in order -> each group's next beams."""
         depth = self.groups[0].round  # every group of a batch is at the same round
-        widest = max(g.request.beam_width for g in self.groups)
+        # Row spans ranked together, each with its own k: all rows at once when every group has
+        # the same width, else a span per group. A row's top-k then never depends on which other
+        # requests share the batch (torch.topk may break ties differently for another k).
+        rows = [len(g.tokens) for g in self.groups]
+        widths = [g.request.beam_width for g in self.groups]
+        starts = [0]
+        for n in rows:
+            starts.append(starts[-1] + n)
+        if len(set(widths)) == 1:
+            spans = [(0, starts[-1], widths[0])]
+        else:
+            spans = [(starts[i], starts[i + 1], widths[i]) for i in range(len(self.groups))]
         if self.trie is None:
             vocab = None
-            top_scores, top_columns = self._row_tops(hidden, widest)
+            tops = self._span_tops(hidden, spans)
         else:
             vocab = self.trie.vocab[depth]
             allowed = self.trie.allowed(depth, [n for g in self.groups for n in g.nodes])
-            top_scores, top_columns = self._row_tops(hidden, widest, vocab, allowed)
-        start = 0
-        for g in self.groups:
-            rows = len(g.tokens)
-            width = g.request.beam_width
+            tops = self._span_tops(hidden, spans, vocab, allowed)
+        for i, g in enumerate(self.groups):
+            span = 0 if len(spans) == 1 else i
+            first = starts[i] - spans[span][0]
+            top_scores, top_columns = (t[first:first + rows[i]] for t in tops[span])
+            width = widths[i]
             # The best `width` continuations of a group are among each beam's own best `width`
             # tokens: rank those (rows x width), never the whole rows x vocabulary.
-            each = min(width, top_scores.shape[1])
-            candidates = (g.scores[:, None] + top_scores[start:start + rows, :each]).flatten()
+            each = top_scores.shape[1]
+            candidates = (g.scores[:, None] + top_scores).flatten()
             scores, flat = candidates.topk(min(width, candidates.numel()))
             if vocab is not None:  # a table may offer fewer paths than beams: drop the impossible ones
                 finite = scores > float("-inf")
                 scores, flat = scores[finite], flat[finite]
             beams = (flat // each).tolist()
-            columns = top_columns[start:start + rows, :each].flatten()[flat]
+            columns = top_columns.flatten()[flat]
             tokens = (columns if vocab is None else vocab[columns]).tolist()
             g.tokens = [g.tokens[b] + [t] for b, t in zip(beams, tokens)]
             if vocab is not None:
                 g.nodes = [self.trie.step(g.nodes[b], t) for b, t in zip(beams, tokens)]
             g.scores, g.parents = scores, beams
             g.round += 1
-            start += rows
 
-    def _row_tops(self, hidden: torch.Tensor, k: int, vocab: torch.Tensor | None = None,
-                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's k best log-probabilities (float32, best first) and their columns.
+    def _span_tops(self, hidden: torch.Tensor, spans: list[tuple[int, int, int]], vocab: torch.Tensor | None = None,
+                   allowed: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For each span (first row, end row, k): its rows' k best log-probabilities (float32,
+        best first) and their columns.
 
         A row's ranking by log-probability is its ranking by logit (log_softmax only subtracts
         the row's log-sum-exp), so no log_softmax of the whole rows x vocabulary is made. Without
-        a table the vocabulary is walked in column blocks of about LOGITS_BLOCK_BYTES: each
-        block's logits give its top k and its log-sum-exp, then are dropped. A beam-256 round
-        of a 151,669-token vocabulary thus holds 8 MB of logits at a time, not the 155 MB of its logits
-        and as much again for their log_softmax, and the LM head's weight is still read once.
-        Logits stay in the model's dtype (a float32 copy of them costs 3x, see git history);
-        each block's log-sum-exp is combined in float32."""
+        a table the vocabulary is walked in blocks of LOGITS_BLOCK_COLUMNS: each block's logits
+        give each span's top k and every row's log-sum-exp (in float32), then are dropped. A
+        beam-256 round of a 151,669-token vocabulary thus holds 8 MB of bfloat16 logits at a
+        time (and their float32 copy), not 78 MB and as much again for a log_softmax, and the LM
+        head's weight is still read once. The blocks' bounds do not depend on the batch, so
+        neither do a beam's scores (bfloat16 ties and roundings included)."""
         if vocab is not None:  # an item table: only that depth's tokens, a few hundred columns
             logits = self.runner.logits(hidden, vocab, as_float=False)
             logits.masked_fill_(~allowed, float("-inf"))
-            top, columns = logits.topk(min(k, logits.shape[1]), dim=-1)
-            return top.float() - torch.logsumexp(logits, dim=-1).float()[:, None], columns
+            lse = torch.logsumexp(logits.float(), dim=-1)
+            out = []
+            for first, end, k in spans:
+                top, columns = logits[first:end].topk(min(k, logits.shape[1]), dim=-1)
+                out.append((top.float() - lse[first:end, None], columns))
+            return out
         vocab_size = self.runner.vocab_size
-        block = max(k, LOGITS_BLOCK_BYTES // (hidden.shape[0] * hidden.element_size()))
-        tops, columns, sums = [], [], []
+        block = max(LOGITS_BLOCK_COLUMNS, max(k for _, _, k in spans))
+        tops: list[list] = [[] for _ in spans]
+        sums = []
         for start in range(0, vocab_size, block):
             end = min(vocab_size, start + block)
             logits = self.runner.logits(hidden, as_float=False, columns=(start, end))
-            top, column = logits.topk(min(k, end - start), dim=-1)
-            tops.append(top)
-            columns.append(column + start)
-            sums.append(torch.logsumexp(logits, dim=-1).float())
-        top, column = torch.cat(tops, dim=1), torch.cat(columns, dim=1)
-        if len(tops) > 1:
-            top, pick = top.topk(min(k, top.shape[1]), dim=-1)
-            column = column.gather(1, pick)
+            for found, (first, last, k) in zip(tops, spans):
+                top, column = logits[first:last].topk(min(k, end - start), dim=-1)
+                found.append((top, column + start))
+            sums.append(torch.logsumexp(logits.float(), dim=-1))
         lse = torch.logsumexp(torch.stack(sums, dim=1), dim=1) if len(sums) > 1 else sums[0]
-        return top.float() - lse[:, None], column
+        out = []
+        for found, (first, last, k) in zip(tops, spans):
+            top = torch.cat([t for t, _ in found], dim=1)
+            column = torch.cat([c for _, c in found], dim=1)
+            if len(found) > 1:
+                top, pick = top.topk(min(k, top.shape[1]), dim=-1)
+                column = column.gather(1, pick)
+            out.append((top.float() - lse[first:last, None], column))
+        return out
 
     def _finish_done(self) -> list:
         items = []
