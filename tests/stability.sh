@@ -14,7 +14,8 @@ stop_burners() {
     for pid in "${burners[@]}"; do kill "$pid" 2>/dev/null; done
     burners=()
 }
-trap stop_burners EXIT INT TERM
+trap stop_burners EXIT
+trap 'stop_burners; exit 130' INT TERM  # stopped from outside: end here, not go on with the next run
 
 git clone -q "$repo" "$work/clone"
 echo "stability: $(git -C "$work/clone" rev-parse --short HEAD) cloned into $work/clone; logs in $work"
