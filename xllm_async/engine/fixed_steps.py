@@ -115,7 +115,11 @@ class FixedStepsBatcher:
             arrived -= back
             if not entry[1]:
                 self._owed.popleft()
-                self._return_delay += RETURN_DELAY_WEIGHT * (now - entry[0] - self._return_delay)
+                self._returned_after(now - entry[0])
+
+    def _returned_after(self, seconds: float) -> None:
+        """A finished batch's clients took this long to be back: into the running average."""
+        self._return_delay += RETURN_DELAY_WEIGHT * (seconds - self._return_delay)
 
     def _join(self) -> None:
         """Every slot is busy: hand the generation requests at the front of the queue to the
@@ -259,7 +263,7 @@ class FixedStepsBatcher:
         if len(self._owed) > MAX_OWED:  # clients that never came back: count the wait so far
             released_at, never = self._owed.popleft()
             self._returning -= never
-            self._return_delay += RETURN_DELAY_WEIGHT * (self._released_at - released_at - self._return_delay)
+            self._returned_after(self._released_at - released_at)
         self._waited_at_release = self._drop_aborted()
         self._idle.append(slot)
         self._arrived.set()
