@@ -186,3 +186,31 @@ def test_onednn_packed_linears_compute_what_plain_ones_do():
         plain = layer(x).float()
         assert pack_for_onednn(layer) == 1 and layer.weight is None
         torch.testing.assert_close(layer(x).float(), plain, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("table", ["mixed", "every prefix one item"])
+def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(native, monkeypatch, table):
+    """Last round with a table: a beam whose two codes leave one item is not fed (its token's
+    renormalised log-probability is 0); the answers equal feeding every beam."""
+    from xllm_async.engine.item_trie import ItemTrie
+
+    from .test_beam_search import ITEMS
+
+    items = ITEMS if table == "mixed" else list({key[:2]: key for key in ITEMS}.values())
+    trie = ItemTrie(items, torch.device("cpu"))
+    prompts = random_prompts(18, [20, 33, 9])
+    widths = [16, 8, 1]
+    fed = []
+    feed = native.beam_decode
+    monkeypatch.setattr(native, "beam_decode", lambda state, tokens, *rest: fed.append(len(tokens)) or
+                        feed(state, tokens, *rest))
+    skipping = run_beams(native, prompts, widths, [3, 3, 3], trie)
+    rounds_skipping = list(fed)
+    monkeypatch.setattr(BeamSearchBatch, "_forced", lambda self: None)
+    assert run_beams(native, prompts, widths, [3, 3, 3], trie) == skipping
+    assert fed[len(rounds_skipping):] == [25, 25]  # every beam fed in both rounds
+    if table == "mixed":
+        assert rounds_skipping[0] == 25 and 0 < rounds_skipping[1] < 25
+    else:
+        assert rounds_skipping == [25]  # the last round fed nothing
+    assert all(tuple(tokens) in set(items) for beams in skipping for tokens, _ in beams)

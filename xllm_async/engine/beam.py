@@ -13,7 +13,8 @@ token that keeps it on an item's path: the LM head is computed for the tokens
 that occur at that depth only, the others masked, and log-probabilities are
 normalised over the allowed tokens (the model's distribution given that the
 answer is an item; transformers' generate with prefix_allowed_tokens_fn and
-renormalize_logits=True computes the same).
+renormalize_logits=True computes the same). In the last round a beam whose prefix
+has one way to end is not fed at all (_forced).
 """
 
 from __future__ import annotations
@@ -122,11 +123,39 @@ class BeamSearchBatch:
         last = [beam[-1] for g in self.groups for beam in g.tokens]
         starts = self.state.starts
         parents = [starts[i] + p for i, g in enumerate(self.groups) for p in g.parents]
-        hidden = self.runner.beam_decode(self.state, last, parents, [len(g.tokens) for g in self.groups])
-        self._choose(hidden)
+        widths = [len(g.tokens) for g in self.groups]
+        forced = self._forced()
+        if forced is not None:  # only the beams that still choose are fed
+            fed = [not f for f in forced]
+            last = [t for t, f in zip(last, fed) if f]
+            parents = [p for p, f in zip(parents, fed) if f]
+            bounds = self._row_starts()
+            widths = [sum(fed[a:b]) for a, b in zip(bounds, bounds[1:])]
+        hidden = self.runner.beam_decode(self.state, last, parents, widths) if last else None
+        self._choose(hidden, forced)
         if self._metrics is not None:
             self._metrics.batch_decoded(time.monotonic() - started, len(last))
         return self._finish_done()
+
+    def _forced(self) -> list[bool] | None:
+        """In the last round with an item table: for each beam, whether its prefix has one way
+        to end (True), or None if no beam is so.
+
+        Such a beam needs no forward: its log-probability renormalised over the allowed tokens is
+        0, and no later round reads the keys its last token would store. SGLang's jump-forward
+        decoding skips forced tokens the same way. Semantic ids make this the common case: 5,000
+        items of 3 codes of 256 leave almost every 2-code prefix one item."""
+        if self.trie is None or any(g.round + 1 < g.request.rounds for g in self.groups):
+            return None
+        single = self.trie.single
+        forced = [single[n] for g in self.groups for n in g.nodes]
+        return forced if any(forced) else None
+
+    def _row_starts(self) -> list[int]:
+        starts = [0]
+        for g in self.groups:
+            starts.append(starts[-1] + len(g.tokens))
+        return starts
 
     def fail(self, exc: Exception) -> list:
         message = f"Generation failed: {type(exc).__name__}: {exc}"
@@ -135,17 +164,16 @@ class BeamSearchBatch:
         self.groups = []
         return items
 
-    def _choose(self, hidden: torch.Tensor) -> None:
-        """hidden: a row per live beam of every group, in order -> each group's next beams."""
+    def _choose(self, hidden: torch.Tensor | None, forced: list[bool] | None = None) -> None:
+        """hidden: a row per live beam of every group, in order (only the beams not forced, if
+        `forced` is given) -> each group's next beams."""
         depth = self.groups[0].round  # every group of a batch is at the same round
         # Row spans ranked together, each with its own k: all rows at once when every group has
         # the same width, else a span per group. A row's top-k then never depends on which other
         # requests share the batch (torch.topk may break ties differently for another k).
         rows = [len(g.tokens) for g in self.groups]
         widths = [g.request.beam_width for g in self.groups]
-        starts = [0]
-        for n in rows:
-            starts.append(starts[-1] + n)
+        starts = self._row_starts()
         if len(set(widths)) == 1:
             spans = [(0, starts[-1], widths[0])]
         else:
@@ -156,7 +184,7 @@ class BeamSearchBatch:
         else:
             vocab = self.trie.vocab[depth]
             allowed = self.trie.allowed(depth, [n for g in self.groups for n in g.nodes])
-            tops = self._span_tops(hidden, spans, vocab, allowed)
+            tops = self._span_tops(hidden, spans, vocab, allowed, forced)
         for i, g in enumerate(self.groups):
             span = 0 if len(spans) == 1 else i
             first = starts[i] - spans[span][0]
@@ -179,8 +207,9 @@ class BeamSearchBatch:
             g.scores, g.parents = scores, beams
             g.round += 1
 
-    def _span_tops(self, hidden: torch.Tensor, spans: list[tuple[int, int, int]], vocab: torch.Tensor | None = None,
-                   allowed: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _span_tops(self, hidden: torch.Tensor | None, spans: list[tuple[int, int, int]],
+                   vocab: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                   forced: list[bool] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For each span (first row, end row, k): its rows' k best log-probabilities (float32,
         best first) and their columns.
 
@@ -193,7 +222,14 @@ class BeamSearchBatch:
         head's weight is still read once. The blocks' bounds do not depend on the batch, so
         neither do a beam's scores (bfloat16 ties and roundings included)."""
         if vocab is not None:  # an item table: only that depth's tokens, a few hundred columns
-            logits = self.runner.logits(hidden, vocab, as_float=False)
+            if forced is None:
+                logits = self.runner.logits(hidden, vocab, as_float=False)
+            else:  # a forced row's logits: any finite value; the mask leaves it its one token at 0
+                logits = torch.zeros(allowed.shape, device=allowed.device)
+                if hidden is not None:
+                    fed = self.runner.logits(hidden, vocab, as_float=False)
+                    logits = logits.to(fed.dtype)
+                    logits[~torch.tensor(forced, device=allowed.device)] = fed
             logits.masked_fill_(~allowed, float("-inf"))
             lse = torch.logsumexp(logits.float(), dim=-1)
             out = []

@@ -35,6 +35,9 @@ class ItemTrie:
                     self.children.append({})
                     self.depth_of.append(depth + 1)
                 node = child
+        # A node with one child leaves its beam no choice: renormalised over the allowed tokens
+        # that token's log-probability is 0 whatever the model says (BeamSearchBatch._forced).
+        self.single: list[bool] = [len(c) == 1 for c in self.children]
         self.vocab: list[torch.Tensor] = []
         self.row_of: list[int] = [0] * len(self.children)  # node -> its row in its depth's mask
         self.masks: list[torch.Tensor] = []
