@@ -3,6 +3,8 @@ X-Request-Id, /server_info, /version."""
 
 from __future__ import annotations
 
+import os
+
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -127,3 +129,30 @@ async def test_metrics_can_be_turned_off(tiny_model_dir):
         assert status == 404 and b"off" in body
     finally:
         await service.shutdown()
+
+
+async def test_the_loop_thread_keeps_one_intra_op_thread_and_slots_their_own(tiny_model_dir, tmp_path):
+    """A parallel torch operation on the event loop's thread (building an item table's masks was
+    one) starts an OpenMP team there, and every slot's forward then ran 30-40% slower: the
+    service keeps the loop's thread on one intra-op thread; the slots set theirs."""
+    import threading
+
+    import torch
+
+    from xllm_async.config import Settings
+    from xllm_async.service import Service
+
+    table = tmp_path / "items.tsv"
+    table.write_text("".join(f"sku-{i}\t{1000 + i % 16} {2000 + i // 16}\n" for i in range(64)))
+    before = torch.get_num_threads()
+    service = Service(Settings(model=tiny_model_dir, port=0, metrics="off", access_log="off",
+                               item_table=str(table), scheduler="fixed_steps", concurrent_execute_stream_num=1))
+    await service.start()
+    try:
+        assert torch.get_num_threads() == 1
+        seen, done = [], threading.Event()
+        service.slots[0].submit(lambda: (seen.append(torch.get_num_threads()), done.set()))
+        assert done.wait(60) and seen == [os.cpu_count()]
+    finally:
+        await service.shutdown()
+        torch.set_num_threads(before)
