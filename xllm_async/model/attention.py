@@ -111,14 +111,13 @@ class Decode:
         keys, values = self.cache.keys(layer), self.cache.values(layer)
         keys[index, :, self.positions] = k
         values[index, :, self.positions] = v
-        # Grouped-query attention without repeating keys: the heads sharing a key head
-        # are one matrix of queries against it.
+        # Grouped-query attention without repeating keys: the heads sharing a key head are one
+        # matrix of queries against it. torch's fused CPU kernel, not matmul-softmax-matmul: a
+        # SmolLM2 step's attention (1 row, 3 x 3 heads, 256 keys, bfloat16) 117 -> 28 us a layer.
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
-        scores = torch.matmul(qg, keys[:rows, :, :self.span].transpose(-1, -2)).mul_(scale)
-        if self.mask is not None:
-            scores += self.mask
-        out = torch.matmul(scores.softmax(dim=-1), values[:rows, :, :self.span])
-        return out.view(rows, heads * dim)
+        out = F.scaled_dot_product_attention(qg, keys[:rows, :, :self.span], values[:rows, :, :self.span],
+                                             attn_mask=self.mask, scale=scale)
+        return out.reshape(rows, heads * dim)
 
 
 class BeamDecode:
