@@ -74,7 +74,7 @@ def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
             torch.testing.assert_close(logits[row], reference_logits(reference, seq), atol=2e-4, rtol=2e-4)
 
 
-def run_beams(runner, prompts, widths, rounds, trie=None):
+def run_beams(runner, prompts, widths, rounds, trie=None, digits: int | None = 3):
     requests = [BeamRequest(i, p, w, r, None) for i, (p, w, r) in enumerate(zip(prompts, widths, rounds))]
     batch = BeamSearchBatch(runner, requests, trie=trie)
     results = {}
@@ -82,18 +82,30 @@ def run_beams(runner, prompts, widths, rounds, trie=None):
         items = batch.prefill()
         while True:
             for req, delta in items:
-                results[req.index] = [(b.token_ids, round(b.cumulative_logprob, 3)) for b in delta.beams]
+                results[req.index] = [(b.token_ids, b.cumulative_logprob if digits is None else
+                                       round(b.cumulative_logprob, digits)) for b in delta.beams]
             if not batch:
                 break
             items = batch.decode()
     return [results[i] for i in range(len(prompts))]
 
 
+def assert_same_beams(found, expected, tolerance: float = 1e-4) -> None:
+    """Two engines' beams: the same token sequences in the same order, scores equal to float32
+    noise (their attention sums in different orders)."""
+    assert [[tokens for tokens, _ in beams] for beams in found] == [[tokens for tokens, _ in beams]
+                                                                   for beams in expected]
+    for beams, others in zip(found, expected):
+        for (_, score), (_, other) in zip(beams, others):
+            assert abs(score - other) <= tolerance, (score, other)
+
+
 def test_shared_prompt_beams_equal_copied_prompt_beams(native, copied):
     """Requests of different widths and rounds in one batch, some finishing early."""
     prompts = random_prompts(14, [25, 7, 60, 3])
     widths, rounds = [8, 16, 3, 5], [3, 2, 4, 1]
-    assert run_beams(native, prompts, widths, rounds) == run_beams(copied, prompts, widths, rounds)
+    assert_same_beams(run_beams(native, prompts, widths, rounds, digits=None),
+                      run_beams(copied, prompts, widths, rounds, digits=None))
 
 
 def test_beams_over_the_vocabulary_in_column_blocks_equal_one_block(native, copied, monkeypatch):
@@ -107,7 +119,7 @@ def test_beams_over_the_vocabulary_in_column_blocks_equal_one_block(native, copi
     whole = run_beams(native, prompts, widths, rounds)
     monkeypatch.setattr(beam, "LOGITS_BLOCK_COLUMNS", 1000)
     assert run_beams(native, prompts, widths, rounds) == whole
-    assert run_beams(copied, prompts, widths, rounds) == whole
+    assert_same_beams(run_beams(copied, prompts, widths, rounds), whole, 1e-3)  # whole: rounded to 3 digits
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -132,8 +144,8 @@ def test_item_constrained_beams_agree_on_both_engines(native, copied):
 
     trie = ItemTrie(ITEMS, torch.device("cpu"))
     prompts = random_prompts(15, [20, 33])
-    found = run_beams(native, prompts, [16, 8], [3, 3], trie)
-    assert found == run_beams(copied, prompts, [16, 8], [3, 3], trie)
+    found = run_beams(native, prompts, [16, 8], [3, 3], trie, digits=None)
+    assert_same_beams(found, run_beams(copied, prompts, [16, 8], [3, 3], trie, digits=None))
     assert all(tuple(tokens) in set(ITEMS) for beams in found for tokens, _ in beams)
     assert [len(beams) for beams in found] == [16, 8]
 
