@@ -226,3 +226,27 @@ def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(nati
     else:
         assert rounds_skipping == [25]  # the last round fed nothing
     assert all(tuple(tokens) in set(items) for beams in skipping for tokens, _ in beams)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(tiny_model_dir, dtype):
+    """A row's decode steps must not depend on the rows beside it, in bfloat16 too: each run of
+    equal-length rows attends over its own keys, never over the batch's longest with a mask."""
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
+    runner.set_kv_cache(64 << 20, 1)
+    prompts = random_prompts(19, [30, 12, 50, 8, 12])
+
+    def greedy(batch: list[list[int]], steps: int = 12) -> list[list[int]]:
+        with torch.inference_mode():
+            logits, kv = runner.prefill(batch, max(map(len, batch)) + steps)
+            out = [[t] for t in logits.argmax(-1).tolist()]
+            for _ in range(steps - 1):
+                logits = runner.decode(kv, [seq[-1] for seq in out])
+                for seq, t in zip(out, logits.argmax(-1).tolist()):
+                    seq.append(t)
+        return out
+
+    alone = [greedy([p])[0] for p in prompts]
+    assert greedy(prompts) == alone

@@ -101,20 +101,23 @@ class PackedPrefill:
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
-    __slots__ = ("cache", "positions", "rows", "span", "mask")
+    __slots__ = ("cache", "positions", "rows", "runs")
 
     def __init__(self, cache: SlabCache) -> None:
         self.cache = cache
         self.rows = cache.rows
         self.positions = cache.lengths[:self.rows].clone()
-        self.span = cache.max_length + 1  # the keys a step reads: up to the longest row's new token
-        if bool((self.positions == cache.max_length).all()):
-            self.mask = None  # every row is as long as the longest: nothing to hide
-        else:
-            reach = torch.arange(self.span, device=self.positions.device)
-            hidden = reach[None, :] > self.positions[:, None]
-            self.mask = torch.zeros(hidden.shape, dtype=cache.slabs.dtype,
-                                    device=hidden.device).masked_fill_(hidden, float("-inf"))[:, None, None, :]
+        # Runs of rows of equal length (first row, count, keys to read): one attention call each,
+        # over exactly the keys of those rows. Never one call over the batch's longest row with
+        # the rest masked: the fused kernel blocks its keys by their number, so a row's sums (and
+        # in bfloat16 its greedy tokens) would depend on the rows beside it.
+        self.runs: list[tuple[int, int, int]] = []
+        for row, n in enumerate(self.positions.tolist()):
+            if self.runs and self.runs[-1][2] == n + 1:
+                first, count, _ = self.runs[-1]
+                self.runs[-1] = (first, count + 1, n + 1)
+            else:
+                self.runs.append((row, 1, n + 1))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         rows, heads, dim = q.shape
@@ -127,8 +130,10 @@ class Decode:
         # matrix of queries against it. torch's fused CPU kernel, not matmul-softmax-matmul: a
         # SmolLM2 step's attention (1 row, 3 x 3 heads, 256 keys, bfloat16) 117 -> 28 us a layer.
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
-        out = F.scaled_dot_product_attention(qg, keys[:rows, :, :self.span], values[:rows, :, :self.span],
-                                             attn_mask=self.mask, scale=scale)
+        outs = [F.scaled_dot_product_attention(qg[first:first + count], keys[first:first + count, :, :span],
+                                               values[first:first + count, :, :span], scale=scale)
+                for first, count, span in self.runs]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(rows, heads * dim)
 
 
