@@ -43,7 +43,7 @@ class Service:
         # The loop's thread keeps one intra-op thread for its whole life: a parallel torch
         # operation there (building the item table's masks was one) starts an OpenMP team for it,
         # and from then on every slot's forward runs slower (host_memory.one_intra_op_thread).
-        # Measured: beam-128 rounds 103 -> 70-80 ms served. Slots set their own count.
+        # Measured: beam-128 rounds 103 -> 64-66 ms served. Slots set their own count.
         torch.set_num_threads(1)
         self.settings = settings
         self._trim = None

@@ -225,10 +225,10 @@ class BeamSearchBatch:
             if forced is None:
                 logits = self.runner.logits(hidden, vocab, as_float=False)
             else:  # a forced row's logits: any finite value; the mask leaves it its one token at 0
-                logits = torch.zeros(allowed.shape, device=allowed.device)
-                if hidden is not None:
-                    fed = self.runner.logits(hidden, vocab, as_float=False)
-                    logits = logits.to(fed.dtype)
+                fed = None if hidden is None else self.runner.logits(hidden, vocab, as_float=False)
+                logits = torch.zeros(allowed.shape, dtype=torch.float32 if fed is None else fed.dtype,
+                                     device=allowed.device)
+                if fed is not None:
                     logits[~torch.tensor(forced, device=allowed.device)] = fed
             logits.masked_fill_(~allowed, float("-inf"))
             lse = torch.logsumexp(logits.float(), dim=-1)

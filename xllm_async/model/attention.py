@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from .kv_cache import SlabCache
 
 
+# The fused CPU attention kernel behind scaled_dot_product_attention, called directly for the
+# log-sum-exp it also returns (None where this torch has no such operator).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [batch, heads, queries, dim] against keys/values [batch, heads, keys, dim] ->
     softmax(q k^T) v, and each query's log-sum-exp [batch, heads, queries, 1] (float32, for merging).
@@ -35,9 +40,6 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     total = weights.sum(dim=-1, keepdim=True)
     out = (torch.matmul(weights.to(values.dtype), values) / total).to(values.dtype)
     return out, peak + total.log()
-
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
