@@ -250,3 +250,48 @@ def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(t
 
     alone = [greedy([p])[0] for p in prompts]
     assert greedy(prompts) == alone
+
+
+def test_padded_row_counts_are_few_and_waste_at_most_an_eighth():
+    from xllm_async.model.layers import EXACT_ROWS, padded_rows
+
+    assert [padded_rows(n) for n in (1, 17, EXACT_ROWS)] == [1, 17, EXACT_ROWS]  # decode steps: exact
+    sizes = {padded_rows(n) for n in range(1, 8193)}
+    assert len(sizes) <= EXACT_ROWS + 8 * 7  # 8 sizes a doubling from 64 to 8,192
+    for n in range(EXACT_ROWS + 1, 8193):
+        padded = padded_rows(n)
+        assert n <= padded < n * 9 / 8 + 1 and padded_rows(padded) == padded
+
+
+def test_bfloat16_rows_reach_onednn_in_padded_sizes_and_answer_as_alone(tiny_model_dir, monkeypatch):
+    """oneDNN compiles a kernel per row count: packed prompts (and decode steps of more than
+    EXACT_ROWS rows) go through the layers padded, and the padding changes no answer."""
+    from xllm_async.model import layers
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    if not layers.onednn_packing_helps(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN linear in this torch build")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    runner.set_kv_cache(64 << 20, 1)
+    seen: list[int] = []  # the rows of every oneDNN linear call
+    kernel = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: seen.append(x.shape[0]) or
+                        kernel(x, *rest))
+
+    def greedy(batch: list[list[int]], steps: int = 3) -> list[list[int]]:
+        with torch.inference_mode():
+            logits, kv = runner.prefill(batch, max(map(len, batch)) + steps)
+            assert logits.shape[0] == len(batch)
+            out = [[t] for t in logits.argmax(-1).tolist()]
+            for _ in range(steps - 1):
+                logits = runner.decode(kv, [seq[-1] for seq in out])
+                assert logits.shape[0] == len(batch)
+                for seq, t in zip(out, logits.argmax(-1).tolist()):
+                    seq.append(t)
+        return out
+
+    prompts = random_prompts(23, [3 + (i % 7) for i in range(70)])  # 70 rows decode, 411 prompt tokens
+    batched = greedy(prompts)
+    assert max(seen) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in seen)
+    assert 411 not in seen and 70 not in seen  # both went through padded
+    assert batched == [greedy([p])[0] for p in prompts]

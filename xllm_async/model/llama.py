@@ -11,9 +11,10 @@ is a separate call so that beam search can compute only the tokens it may take.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary, onednn_linear
+from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary, onednn_linear, padded_rows
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -67,14 +68,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rows = cos.shape[0]  # the batch's tokens: x may carry padding rows after them (CausalLM.forward)
+        q, k, v = self.qkv(x)[:rows].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o(ctx.attend(self.layer, q, k, v, self.scale))
+        out = ctx.attend(self.layer, q, k, v, self.scale)
+        if x.shape[0] > rows and not getattr(ctx, "last_only", False):
+            out = F.pad(out, (0, 0, 0, x.shape[0] - rows))  # the padding rows again, as zeros
+        return self.o(out)
 
 
 class DecoderLayer(nn.Module):
@@ -107,9 +112,15 @@ class CausalLM(nn.Module):
         # The LM head laid out for oneDNN too (pack_for_onednn), for logits over the whole vocabulary;
         # a copy, since subsets of rows (item tables) and the tied embedding read the plain one.
         self.onednn_lm_head: torch.Tensor | None = None
+        self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
         """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
+        rows = tokens.shape[0]
+        if self.pad_rows:
+            # oneDNN compiles a kernel per number of rows (layers.padded_rows): the rows go through
+            # the layers padded to one of a few sizes, and only attention sees the real ones.
+            tokens = F.pad(tokens, (0, padded_rows(rows) - rows))
         x = self.embed(tokens)
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
         last = self.layers[-1]
@@ -119,7 +130,7 @@ class CausalLM(nn.Module):
         if keep is not None:
             ctx.last_only = True
         x = last(x, cos, sin, ctx, keep)
-        return self.norm(x)
+        return self.norm(x if keep is not None else x[:rows])
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
