@@ -154,15 +154,27 @@ async def load(port: int, bodies: list[dict], references: list[str], total: int,
     return counts
 
 
-async def settle(port: int, timeout: float = 30.0) -> dict[str, float]:
-    """Wait until the server is idle again (or the timeout) and return its counters."""
+# How long an idle server is given before its memory is read: it hands freed heap pages back once
+# it has been idle for a whole second (service.py, TRIM_TICK), so what is read is what it holds,
+# not what the last seconds of load happened to leave behind.
+IDLE_SECONDS = 2.5
+
+
+async def settle(port: int, idle_seconds: float = IDLE_SECONDS, timeout: float = 30.0) -> dict[str, float]:
+    """Wait until the server is idle again (or the timeout), give it idle_seconds, and return its
+    counters."""
     deadline = time.monotonic() + timeout
     while True:
         values = servers.scrape_metrics(port)
         idle = (values["xllm:num_requests_waiting"] == 0 and values["xllm:num_requests_running"] == 0
                 and values["xllm:slots_busy"] == 0 and values["xllm:http_connections_open"] <= 1)
-        if idle or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             return values
+        if idle:
+            if not idle_seconds:
+                return values
+            await asyncio.sleep(idle_seconds)
+            return servers.scrape_metrics(port)
         await asyncio.sleep(0.2)
 
 
@@ -180,7 +192,7 @@ async def soak(port: int, args: argparse.Namespace) -> dict:
     for round_index in range(args.rounds):  # memory after the last round is compared with after round 1
         counts = await load(port, bodies, references, args.requests // args.rounds, args.concurrency,
                             args.disconnect_share, args.seed + round_index)
-        counters = await settle(port)
+        counters = await settle(port, args.idle_seconds)
         counts["rss_mb"] = round(counters.get("xllm:process_resident_memory_bytes", 0) / 2**20, 1)
         counts["leaks"] = {k: counters[k] for k in ("xllm:num_requests_waiting", "xllm:num_requests_running",
                                                     "xllm:slots_busy", "xllm:http_connections_open")}
@@ -222,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=300, help="longest prompt (max_tokens is up to 32)")
     parser.add_argument("--beam-share", type=float, default=0.0,
                         help="share of the distinct prompts that are beam searches (fixed_steps only)")
+    parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
+                        help="how long the server is left idle after each round before its memory is read")
     parser.add_argument("--rss-growth", type=float, default=0.10, help="allowed growth of resident memory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model folder (default: a tiny random Qwen3 built once)")

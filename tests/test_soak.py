@@ -16,7 +16,8 @@ def test_short_soak_finds_every_answer_correct_and_nothing_leaked(server, capsys
         sys.path.insert(0, perf)
     soak = importlib.import_module("soak")
     code = soak.main(["--base-url-port", str(server.port), "--requests", "80", "--concurrency", "8",
-                      "--distinct", "6", "--max-prompt", "200", "--disconnect-share", "0.3", "--rss-growth", "0.5"])
+                      "--distinct", "6", "--max-prompt", "200", "--disconnect-share", "0.3", "--rss-growth", "0.5",
+                      "--idle-seconds", "0"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "running: ok" in out

@@ -28,7 +28,8 @@ from .runtime.host_memory import heap_trimmer
 from .runtime.model_runner import ModelRunner, load_runner
 
 log = logging.getLogger("xllm_async.server")
-TRIM_INTERVAL = 5.0  # seconds between two malloc_trim calls
+TRIM_INTERVAL = 5.0  # seconds between two malloc_trim calls while requests run
+TRIM_TICK = 1.0  # how often the trimmer looks: a server gone idle since its last trim trims then
 
 
 def resident_memory_bytes() -> int:
@@ -48,6 +49,9 @@ class Service:
         self.settings = settings
         self._trim = None
         self._trim_handle: asyncio.TimerHandle | None = None
+        self._trimmed_at = 0.0  # loop time of the last trim
+        self._trimmed_batches = 0  # batches the slots had run by then
+        self._looked_batches = 0  # ... and by the trimmer's last look
         try:
             self.items = ItemTable.load(settings.item_table) if settings.item_table else None
         except ItemTableError as exc:
@@ -127,17 +131,27 @@ class Service:
         gc.freeze()
         self._trim = heap_trimmer()
         if self._trim is not None:
-            self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL, self._trim_heap)
+            self._trim_handle = asyncio.get_running_loop().call_later(TRIM_TICK, self._trim_heap)
         shown = {k: ("***" if k == "api_key" and v else v) for k, v in vars(s).items()}
         log.info("configuration: %s", ", ".join(f"{k}={v}" for k, v in shown.items()))
         log.info("serving %s on http://%s:%d (%s scheduler, %d slot(s), device %s)", self.name, s.host,
                  self.http.port, s.scheduler, len(self.slots), self.runner.device)
 
     def _trim_heap(self) -> None:
-        """Free heap pages back to the system (host_memory.heap_trimmer): a few ms on the loop
-        every TRIM_INTERVAL seconds, while slot threads go on (they wait only to allocate)."""
-        self._trim()
-        self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL, self._trim_heap)
+        """Free heap pages back to the system (host_memory.heap_trimmer): a few ms on the loop,
+        while slot threads go on (they wait only to allocate). Every TRIM_INTERVAL seconds while
+        requests run, and once the server has been idle for a whole TRIM_TICK: an idle server
+        then holds what it uses, not whatever the load had freed since a trim that fell at random.
+        (Idle for a whole tick, not at one look: at low load the server is idle between most
+        requests, and a trim each second would land on some of them.)"""
+        loop = asyncio.get_running_loop()
+        batches = sum(slot.batches_run for slot in self.slots)
+        quiet = not self.engine.unfinished and batches == self._looked_batches
+        self._looked_batches = batches
+        if batches != self._trimmed_batches and (quiet or loop.time() - self._trimmed_at >= TRIM_INTERVAL):
+            self._trim()
+            self._trimmed_at, self._trimmed_batches = loop.time(), batches
+        self._trim_handle = loop.call_later(TRIM_TICK, self._trim_heap)
 
     async def shutdown(self) -> None:
         """Stop accepting, let what was admitted finish within the drain time,
