@@ -26,10 +26,3 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 # 2.5 GB. 128 keeps the shapes that recur (decode steps) and bounds the rest (the same soak: flat
 # at ~1.0-1.2 GB). Read when oneDNN first runs, so it is set here; a user's value wins.
 os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
-
-# oneDNN keeps the kernels it compiles in a process-wide cache of ONEDNN_PRIMITIVE_CACHE_CAPACITY
-# (default 1,024), one per operator shape, number of rows and thread count. Even with rows padded
-# to a few sizes (model/layers.py, padded_rows) the cache kept filling for thousands of requests:
-# the 10,000-request soak rose 687 -> 785 MB and levelled off only after 7,000. At 128: 612 -> 653
-# MB, with no batch slower (its rounds took 9.7-11.5 s against 10.3-12.0 s). A user's value wins.
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
