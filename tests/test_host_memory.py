@@ -1,10 +1,11 @@
-"""CPU weights are moved into one block on a huge-page boundary, unchanged, ties kept."""
+"""CPU weights are moved into one block on a huge-page boundary, unchanged, ties kept; freed heap
+pages are handed back while batches run and once the server has been idle for a whole look."""
 
 from __future__ import annotations
 
 import torch
 
-from xllm_async.runtime.host_memory import HUGE_PAGE, pack_weights
+from xllm_async.runtime.host_memory import HUGE_PAGE, TrimSchedule, pack_weights
 
 
 class TiedModel(torch.nn.Module):
@@ -39,3 +40,27 @@ def test_weights_move_into_one_block_with_the_same_values_and_ties():
     assert model.head.weight is model.embed.weight
     with torch.no_grad():
         torch.testing.assert_close(model(ids), expected)
+
+
+def test_an_idle_server_trims_once_after_a_whole_quiet_look_and_not_again():
+    schedule = TrimSchedule(interval=5.0)
+    assert not schedule.due(1.0, 0, busy=False)  # nothing has run yet
+    assert not schedule.due(2.0, 7, busy=True)  # under load, within the interval
+    assert not schedule.due(3.0, 9, busy=False)  # idle now, but batches ended since the last look
+    assert schedule.due(4.0, 9, busy=False)  # idle for a whole look: trim
+    assert not schedule.due(5.0, 9, busy=False) and not schedule.due(60.0, 9, busy=False)  # nothing new
+
+
+def test_at_low_load_the_server_trims_only_every_interval():
+    # Idle at every look, yet a batch ran between any two: the trim waits for the interval,
+    # not for each look that happens to find the server between requests.
+    schedule = TrimSchedule(interval=5.0)
+    due = [t for t in range(1, 21) if schedule.due(float(t), t, busy=False)]
+    assert due == [5, 10, 15, 20]
+
+
+def test_under_load_the_server_trims_every_interval():
+    schedule = TrimSchedule(interval=5.0)
+    due = [t for t in range(1, 21) if schedule.due(float(t), t * 3, busy=True)]
+    assert due == [5, 10, 15, 20]
+

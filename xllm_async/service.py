@@ -24,12 +24,12 @@ from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
 from .runtime.hold import maybe_hold
-from .runtime.host_memory import heap_trimmer
+from .runtime.host_memory import TrimSchedule, heap_trimmer
 from .runtime.model_runner import ModelRunner, load_runner
 
 log = logging.getLogger("xllm_async.server")
 TRIM_INTERVAL = 5.0  # seconds between two malloc_trim calls while requests run
-TRIM_TICK = 1.0  # how often the trimmer looks: a server gone idle since its last trim trims then
+TRIM_TICK = 1.0  # how often the trimmer looks (TrimSchedule: once idle for a whole look, it trims)
 
 
 def resident_memory_bytes() -> int:
@@ -49,9 +49,7 @@ class Service:
         self.settings = settings
         self._trim = None
         self._trim_handle: asyncio.TimerHandle | None = None
-        self._trimmed_at = 0.0  # loop time of the last trim
-        self._trimmed_batches = 0  # batches the slots had run by then
-        self._looked_batches = 0  # ... and by the trimmer's last look
+        self._trim_schedule = TrimSchedule(TRIM_INTERVAL)
         try:
             self.items = ItemTable.load(settings.item_table) if settings.item_table else None
         except ItemTableError as exc:
@@ -138,19 +136,12 @@ class Service:
                  self.http.port, s.scheduler, len(self.slots), self.runner.device)
 
     def _trim_heap(self) -> None:
-        """Free heap pages back to the system (host_memory.heap_trimmer): a few ms on the loop,
-        while slot threads go on (they wait only to allocate). Every TRIM_INTERVAL seconds while
-        requests run, and once the server has been idle for a whole TRIM_TICK: an idle server
-        then holds what it uses, not whatever the load had freed since a trim that fell at random.
-        (Idle for a whole tick, not at one look: at low load the server is idle between most
-        requests, and a trim each second would land on some of them.)"""
+        """Free heap pages back to the system when TrimSchedule says (host_memory.py): a few ms on
+        the loop, while slot threads go on (they wait only to allocate)."""
         loop = asyncio.get_running_loop()
-        batches = sum(slot.batches_run for slot in self.slots)
-        quiet = not self.engine.unfinished and batches == self._looked_batches
-        self._looked_batches = batches
-        if batches != self._trimmed_batches and (quiet or loop.time() - self._trimmed_at >= TRIM_INTERVAL):
+        if self._trim_schedule.due(loop.time(), sum(slot.batches_run for slot in self.slots),
+                                   bool(self.engine.unfinished)):
             self._trim()
-            self._trimmed_at, self._trimmed_batches = loop.time(), batches
         self._trim_handle = loop.call_later(TRIM_TICK, self._trim_heap)
 
     async def shutdown(self) -> None:

@@ -57,9 +57,9 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY kernels (1,024) shared by the process. Measured here (bfloat16,
 # 768 x 256, 1,000 rows, one thread): 4.6 ms the first time, 0.56 ms from the cache. Packed prompts
 # and beam rounds come with any number of rows, so nearly every batch paid that for each linear
-# shape, and the cache only filled (resident memory grew by 150 MB over 10,000 requests). So rows
-# beyond EXACT_ROWS are padded up to one of 8 sizes a doubling (at most 1/8 more rows): a few dozen
-# sizes in all, each compiled once. Up to EXACT_ROWS (decode steps) rows are exact.
+# shape, and filled the cache with kernels used once (most of a 10,000-request soak's growth). So
+# rows beyond EXACT_ROWS are padded up to one of 8 sizes a doubling (at most 1/8 more rows): a few
+# dozen sizes in all, each compiled once. Up to EXACT_ROWS (decode steps) rows are exact.
 EXACT_ROWS = 64
 
 

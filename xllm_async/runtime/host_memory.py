@@ -85,7 +85,7 @@ def heap_trimmer():
     forward's tensors come in many sizes (a beam round's logits blocks, packed prompts of any
     length). Freed chunks stay in those arenas: in a 10,000-request soak with beam searches the
     resident memory rose from 1.4 to 2.5 GB with nothing alive in it. malloc_trim(0) hands every
-    arena's free pages back; the service calls it every few seconds (TRIM_INTERVAL)."""
+    arena's free pages back; the service calls it when TrimSchedule says."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim
@@ -94,3 +94,29 @@ def heap_trimmer():
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return lambda: trim(0)
+
+
+class TrimSchedule:
+    """When the service calls heap_trimmer (it looks every TRIM_TICK seconds): every `interval`
+    seconds while batches run, and once the server has been idle for a whole look, so that an idle
+    server holds what it uses, not whatever the load had freed since a trim that fell at random
+    (the soak read +-8-15% from one round to the next before). Idle for a whole look, not idle at
+    one: at low load the server is idle between most requests, and a trim at every look would
+    land on some of them. Never when no batch has run since the last trim."""
+
+    __slots__ = ("interval", "_trimmed_at", "_trimmed_batches", "_looked_batches")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._trimmed_at = 0.0  # when the last trim was
+        self._trimmed_batches = 0  # batches run by then
+        self._looked_batches = 0  # batches run at the last look
+
+    def due(self, now: float, batches: int, busy: bool) -> bool:
+        """A look: batches run so far (a counter), whether any request is unfinished now."""
+        quiet = not busy and batches == self._looked_batches
+        self._looked_batches = batches
+        if batches == self._trimmed_batches or not (quiet or now - self._trimmed_at >= self.interval):
+            return False
+        self._trimmed_at, self._trimmed_batches = now, batches
+        return True
