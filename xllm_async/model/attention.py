@@ -42,6 +42,17 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     return out, peak + total.log()
 
 
+def _equal_runs(values: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal neighbours: (index of the first, how many, the value)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, value in enumerate(values):
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, value)
+        else:
+            runs.append((i, 1, value))
+    return runs
+
+
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Two partial attentions over disjoint keys -> attention over all of them."""
     lse = torch.logaddexp(lse_a, lse_b)
@@ -59,13 +70,9 @@ class PackedPrefill:
         # Runs of equal lengths (start token, count, length): one attention call each.
         self.groups: list[tuple[int, int, int]] = []
         start = 0
-        for n in lengths:
-            if self.groups and self.groups[-1][2] == n:
-                s, count, _ = self.groups[-1]
-                self.groups[-1] = (s, count + 1, n)
-            else:
-                self.groups.append((start, 1, n))
-            start += n
+        for _, count, n in _equal_runs(lengths):
+            self.groups.append((start, count, n))
+            start += count * n
         self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
         ends = torch.tensor(lengths).cumsum(0)
         self.last = (ends - 1).to(device)  # each sequence's last token in the packed rows
@@ -113,13 +120,7 @@ class Decode:
         # over exactly the keys of those rows. Never one call over the batch's longest row with
         # the rest masked: the fused kernel blocks its keys by their number, so a row's sums (and
         # in bfloat16 its greedy tokens) would depend on the rows beside it.
-        self.runs: list[tuple[int, int, int]] = []
-        for row, n in enumerate(self.positions.tolist()):
-            if self.runs and self.runs[-1][2] == n + 1:
-                first, count, _ = self.runs[-1]
-                self.runs[-1] = (first, count + 1, n + 1)
-            else:
-                self.runs.append((row, 1, n + 1))
+        self.runs = _equal_runs([n + 1 for n in self.positions.tolist()])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         rows, heads, dim = q.shape
