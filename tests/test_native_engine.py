@@ -255,9 +255,9 @@ def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(t
 def test_padded_row_counts_are_few_and_waste_at_most_an_eighth():
     from xllm_async.model.layers import EXACT_ROWS, padded_rows
 
-    assert [padded_rows(n) for n in (1, 17, EXACT_ROWS)] == [1, 17, EXACT_ROWS]  # decode steps: exact
+    assert [padded_rows(n) for n in (1, 9, EXACT_ROWS)] == [1, 9, EXACT_ROWS]  # few clients' decode: exact
     sizes = {padded_rows(n) for n in range(1, 8193)}
-    assert len(sizes) <= EXACT_ROWS + 8 * 7  # 8 sizes a doubling from 64 to 8,192
+    assert len(sizes) <= EXACT_ROWS + 8 * 9  # 8 sizes a doubling from 16 to 8,192
     for n in range(EXACT_ROWS + 1, 8193):
         padded = padded_rows(n)
         assert n <= padded < n * 9 / 8 + 1 and padded_rows(padded) == padded
@@ -295,3 +295,59 @@ def test_bfloat16_rows_reach_onednn_in_padded_sizes_and_answer_as_alone(tiny_mod
     assert max(seen) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in seen)
     assert 411 not in seen and 70 not in seen  # both went through padded
     assert batched == [greedy([p])[0] for p in prompts]
+
+
+def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeypatch):
+    """torch's fused CPU attention compiles a kernel per odd length in bfloat16 and keeps it for
+    good (attention.ATTENTION_MULTIPLE): prompts and beam rounds reach it padded, causal prompts
+    with tokens after their own and beams' prompt keys with the padding masked out, and the real
+    rows come out as unpadded attention computes them."""
+    import torch.nn.functional as F
+
+    from xllm_async.model import attention
+
+    spans: list[tuple[int, int]] = []  # (queries, keys) of every kernel call
+    sdpa, flash = F.scaled_dot_product_attention, attention._FLASH_CPU
+    if flash is None:
+        pytest.skip("no fused CPU attention operator in this torch build")
+
+    def spy_sdpa(q, k, v, *args, **kw):
+        spans.append((q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, v, *args, **kw)
+
+    def spy_flash(q, k, v, *args, **kw):
+        spans.append((q.shape[-2], k.shape[-2]))
+        return flash(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy_sdpa)
+    monkeypatch.setattr(attention, "_FLASH_CPU", spy_flash)
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim = 4, 2, 16
+    lengths = [5, 23, 23, 40]
+    tokens = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
+    out = attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
+    assert spans and all(n % attention.ATTENTION_MULTIPLE == 0 for call in spans for n in call)
+    start = 0
+    for n in lengths:  # each sequence against float32 attention of its own tokens
+        qs, ks, vs = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
+        ref = sdpa(qs, ks, vs, is_causal=True, scale=dim ** -0.5, enable_gqa=True)
+        assert torch.allclose(out[start:start + n].float(), ref.transpose(0, 1).reshape(n, -1), atol=2e-2)
+        start += n
+
+    spans.clear()  # a beam round's prompt stage: 6 beams x 2 queries against 37 prompt keys
+    qb, kb, vb = randn(1, kv_heads, 12, dim), randn(1, kv_heads, 37, dim), randn(1, kv_heads, 37, dim)
+    out, lse = attention._attend(qb, kb, vb, dim ** -0.5)
+    assert spans == [(16, 48)] and out.shape == (1, kv_heads, 12, dim) and lse.shape == (1, kv_heads, 12, 1)
+    ref = sdpa(qb.float(), kb.float(), vb.float(), scale=dim ** -0.5)
+    assert torch.allclose(out.float(), ref, atol=2e-2)
+    scores = (qb.float() @ kb.float().transpose(-1, -2)) * dim ** -0.5
+    assert torch.allclose(lse.float(), scores.logsumexp(-1, keepdim=True), atol=2e-2)
+
+    spans.clear()  # float32 takes the kernel's other path: exact lengths
+    attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(), dim ** -0.5)
+    assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
