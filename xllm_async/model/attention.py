@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from .kv_cache import SlabCache
 
-
 # The fused CPU attention kernel behind scaled_dot_product_attention, called directly for the
 # log-sum-exp it also returns (None where this torch has no such operator).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -46,7 +45,8 @@ def _pad_tokens(x: torch.Tensor, to: int) -> torch.Tensor:
     return x if x.shape[-2] == to else F.pad(x, (0, 0, 0, to - x.shape[-2]))
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [batch, heads, queries, dim] against keys/values [batch, heads, keys, dim] ->
     softmax(q k^T) v, and each query's log-sum-exp [batch, heads, queries, 1] (float32, for merging).
 
@@ -209,8 +209,10 @@ class BeamDecode:
             if not width:  # every beam of this request had one way to end (engine/beam.py)
                 continue
             qr = qg[first:end].permute(1, 0, 2, 3).reshape(1, kv_heads, width * group, dim)
-            out, lse = _attend(qr, prompt_keys[row:row + 1, :, :length], prompt_values[row:row + 1, :, :length], scale)
-            merged = _merge(out[0], lse[0], own_out[first:end].permute(1, 0, 2, 3).reshape(kv_heads, width * group, dim),
+            out, lse = _attend(qr, prompt_keys[row:row + 1, :, :length], prompt_values[row:row + 1, :, :length],
+                               scale)
+            own = own_out[first:end].permute(1, 0, 2, 3).reshape(kv_heads, width * group, dim)
+            merged = _merge(out[0], lse[0], own,
                             own_lse[first:end].permute(1, 0, 2, 3).reshape(kv_heads, width * group, 1))
             outs.append(merged.view(kv_heads, width, group, dim).permute(1, 0, 2, 3))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
