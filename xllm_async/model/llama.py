@@ -54,6 +54,11 @@ class ModelShape:
         return None
 
 
+def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    """The fused rotary kernel's optional per-head norm: its weight and epsilon."""
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
@@ -67,15 +72,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
 
+    fused = False  # set by use_fused_kernels: q/k norm and rotary in one kernel each
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         rows = cos.shape[0]  # the batch's tokens: x may carry padding rows after them (CausalLM.forward)
         q, k, v = self.qkv(x)[:rows].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused:
+            q = torch.ops.xllm.rope(q, cos, sin, *_norm_args(self.q_norm))
+            k = torch.ops.xllm.rope(k, cos, sin, *_norm_args(self.k_norm))
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v, self.scale)
         if x.shape[0] > rows and not getattr(ctx, "last_only", False):
             out = F.pad(out, (0, 0, 0, x.shape[0] - rows))  # the padding rows again, as zeros
@@ -83,6 +94,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    fused = False  # set by use_fused_kernels: the residual add and the norm after it in one pass
+
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(shape.hidden, shape.eps)
@@ -94,6 +107,10 @@ class DecoderLayer(nn.Module):
         attn = self.attn(self.input_norm(x), cos, sin, ctx)
         if keep is not None:  # the last layer of a prefill: only the rows that need logits go on
             x = x[keep]
+        if self.fused:
+            x, normed = torch.ops.xllm.add_rms_norm(attn, x, self.post_attention_norm.weight,
+                                                    self.post_attention_norm.eps)
+            return x + self.mlp(normed)
         x = x + attn
         return x + self.mlp(self.post_attention_norm(x))
 
@@ -113,6 +130,7 @@ class CausalLM(nn.Module):
         # a copy, since subsets of rows (item tables) and the tied embedding read the plain one.
         self.onednn_lm_head: torch.Tensor | None = None
         self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
+        self.fused = False  # set by use_fused_kernels
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
         """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
@@ -122,7 +140,7 @@ class CausalLM(nn.Module):
             # the layers padded to one of a few sizes, and only attention sees the real ones.
             tokens = F.pad(tokens, (0, padded_rows(rows) - rows))
         x = self.embed(tokens)
-        cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
+        cos, sin = self.rotary.lookup(ctx.positions, x.dtype, self.fused)
         last = self.layers[-1]
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, ctx)
@@ -145,3 +163,11 @@ class CausalLM(nn.Module):
             weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
             logits = torch.matmul(hidden, weight.t())
         return logits.float() if as_float else logits
+
+
+def use_fused_kernels(model: nn.Module) -> None:
+    """Switch the elementwise steps to our fused bfloat16 CPU kernels (cpu_kernels.py; the caller
+    checks that they loaded): every norm, q/k norm + rotary, residual add + norm, SiLU x up."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMlp, CausalLM)):
+            module.fused = True

@@ -20,10 +20,11 @@ import time
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
 from ..model.layers import onednn_packing_helps, pack_for_onednn
-from ..model.llama import ModelShape
+from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
 from .device import default_kv_cache_bytes, fast_cpu_dtype
 from .host_memory import one_intra_op_thread, pack_weights
@@ -71,6 +72,9 @@ class ModelRunner:
             self.model = load_model(model_dir, self.config, device, self.dtype)
             if onednn_packing_helps(device, self.dtype):
                 log.info("%d linear layers packed for oneDNN", pack_for_onednn(self.model))
+            if cpu_kernels.wanted(device, self.dtype):
+                use_fused_kernels(self.model)
+                log.info("norms, rotary and SiLU on our fused bfloat16 CPU kernels")
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
         self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
         shape = self.model.shape

@@ -1,0 +1,114 @@
+"""Our fused bfloat16 CPU kernels (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm,
+rotary embedding (after Qwen3's per-head norm), SiLU x up. Each is one pass over memory where
+the eager code makes four to eight; a bfloat16 prefill spent half its time in such passes
+(perf/RESULTS.md, tenth session).
+
+`make install` builds the library with the machine's own compiler (`python -m
+xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
+and torch builds it at start-up (about 10 s, once). Where no compiler works, the model runs its
+eager code and start-up says so. The operators are torch.ops.xllm.*; the library links only
+torch's C++ libraries (no Python headers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+
+import torch
+
+log = logging.getLogger("xllm_async.cpu_kernels")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+BUILD_DIR = os.path.join(os.path.dirname(__file__), "csrc", "build")
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> str:
+    """The library for this source, this torch and this CPU (built for its instruction set)."""
+    digest = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        digest.update(f.read())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return os.path.join(BUILD_DIR, f"cpu_kernels-{digest.hexdigest()[:16]}.so")
+
+
+def _compile_command(output: str) -> list[str]:
+    root = os.path.dirname(torch.__file__)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
+            "-fopenmp", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+            "-I", os.path.join(root, "include"), "-I", os.path.join(root, "include", "torch", "csrc", "api", "include"),
+            SOURCE, "-L", os.path.join(root, "lib"), "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{os.path.join(root, 'lib')}",
+            "-o", output]
+
+
+def build() -> str:
+    """Compile the library unless it is there; returns its path. Raises on failure."""
+    path = library_path()
+    if os.path.exists(path):
+        return path
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    # Into a temporary name, then renamed: servers starting side by side never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=BUILD_DIR)
+    os.close(fd)
+    try:
+        result = subprocess.run(_compile_command(partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE} failed:\n{result.stderr[-2000:]}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return path
+
+
+def available() -> bool:
+    """Load the library (building it first if needed) once per process; False where that fails."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                path = library_path()
+                if not os.path.exists(path):
+                    log.info("building the fused CPU kernels for this CPU (once): %s", path)
+                torch.ops.load_library(build())
+                _loaded = True
+            except Exception as exc:  # no compiler, no headers: the eager code still runs
+                log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
+                _loaded = False
+        return _loaded
+
+
+def wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Only bfloat16 on CPU: float32 keeps the eager code, which the tests compare with
+    transformers token for token (a fused RMSNorm sums in another order)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and available()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    try:
+        print(build())
+    except Exception as exc:  # make install goes on: the server falls back to the eager code
+        print(f"fused CPU kernels not built: {exc}", file=sys.stderr)

@@ -1,0 +1,224 @@
+// Fused elementwise kernels for a bfloat16 forward on CPU (model/cpu_kernels.py builds and loads
+// this file). In bfloat16 a prefill spends half its time in elementwise operators, each a full
+// pass over memory: RMSNorm alone is seven (cast, square, mean, add, rsqrt, multiply, cast back,
+// weight). Each kernel here is one pass over its rows, in float32 inside, and rounds to bfloat16
+// where the eager code it replaces does, so its answers stay those of that code (and of
+// transformers) to the last bit wherever no reduction is involved.
+//
+// Rows are independent, so a row's result never depends on the batch around it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// bfloat16 values as their raw 16 bits: loops over plain integers and floats are what the
+// compiler vectorizes (c10::bf16's class and std::exp/std::fmin calls kept it from it).
+using bf16 = uint16_t;
+
+inline float to_float(bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Round to nearest even, as torch does (NaN handling aside: these values are finite).
+inline bf16 to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<bf16>(bits >> 16);
+}
+
+inline float round_bf16(float v) { return to_float(to_bf16(v)); }
+
+// exp for SiLU (std::exp is a call per value: 5x slower than torch's own silu): Cephes' expf,
+// 2^n times a degree-6 polynomial on |r| <= ln2/2, within 2 float ulps; the input is clamped
+// where float would overflow.
+inline float vector_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// A tensor seen as rows of `width` contiguous values: [rows, width] or [rows, heads, width] with
+// any row stride (q and k are views of the fused qkv output).
+struct Rows {
+  int64_t rows, heads, width, row_stride, head_stride;
+};
+
+Rows rows_of(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "expected [rows, width] or [rows, heads, width]");
+  TORCH_CHECK(x.stride(-1) == 1, "the last dimension must be contiguous");
+  if (x.dim() == 2) return {x.size(0), 1, x.size(1), x.stride(0), 0};
+  return {x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1)};
+}
+
+inline bf16* bits(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+
+void check_bf16(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CPU tensor");
+}
+
+// out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))): transformers' Qwen3/Llama RMSNorm in bfloat16.
+inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = to_float(x[i]);
+    sum += v * v;
+  }
+  float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(w[i]) * round_bf16(to_float(x[i]) * scale));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  Rows r = rows_of(x);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == r.width, "weight must match the last dimension");
+  auto out = at::empty(x.sizes(), x.options());
+  const auto* src = bits(x);
+  const auto* w = bits(weight);
+  auto* dst = bits(out);
+  at::parallel_for(0, r.rows * r.heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t row = i / r.heads, head = i % r.heads;
+      norm_row(src + row * r.row_stride + head * r.head_stride, w, dst + i * r.width, r.width,
+               static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// residual + x (rounded to bfloat16, as the eager add), and its RMSNorm: one pass for both.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(residual, "residual");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes(), "x and residual must be [rows, width] alike");
+  TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1, "the last dimension must be contiguous");
+  int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must match the last dimension");
+  auto sum = at::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
+  const auto* a = bits(x);
+  const auto* b = bits(residual);
+  const auto* w = bits(weight);
+  auto* s = bits(sum);
+  auto* o = bits(out);
+  int64_t sa = x.stride(0), sb = residual.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t i = 0; i < n; ++i) s[row * n + i] = to_bf16(to_float(b[row * sb + i]) + to_float(a[row * sa + i]));
+      norm_row(s + row * n, w, o + row * n, n, static_cast<float>(eps));
+    }
+  });
+  return {sum, out};
+}
+
+// Rotary embedding by halves (Llama/Qwen), optionally after a per-head RMSNorm (Qwen3's q/k norm):
+// out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), c and s the bfloat16 cos/sin, as eager does.
+// cos, sin: float32 [rows, width] (one row per token, shared by its heads).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                const c10::optional<at::Tensor>& norm_weight, double eps) {
+  check_bf16(x, "x");
+  Rows r = rows_of(x);
+  TORCH_CHECK(x.dim() == 3, "expected [rows, heads, width]");
+  TORCH_CHECK(r.width % 2 == 0 && r.width <= 1024, "head width must be even and at most 1024");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == r.rows && cos.size(-1) == r.width && sin.sizes() == cos.sizes(),
+              "cos and sin must be contiguous float32 [rows, width]");
+  const bf16* w = nullptr;
+  if (norm_weight.has_value()) {
+    check_bf16(*norm_weight, "norm_weight");
+    TORCH_CHECK(norm_weight->is_contiguous() && norm_weight->numel() == r.width, "norm_weight must match the head width");
+    w = bits(*norm_weight);
+  }
+  auto out = at::empty({r.rows, r.heads, r.width}, x.options());
+  const auto* src = bits(x);
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  auto* dst = bits(out);
+  int64_t half = r.width / 2;
+  at::parallel_for(0, r.rows, 16, [&](int64_t begin, int64_t end) {
+    bf16 normed[1024];
+    for (int64_t row = begin; row < end; ++row) {
+      const float* cr = c + row * r.width;
+      const float* sr = s + row * r.width;
+      for (int64_t head = 0; head < r.heads; ++head) {
+        const bf16* in = src + row * r.row_stride + head * r.head_stride;
+        if (w != nullptr) {
+          norm_row(in, w, normed, r.width, static_cast<float>(eps));
+          in = normed;
+        }
+        bf16* o = dst + (row * r.heads + head) * r.width;
+        for (int64_t i = 0; i < half; ++i) {  // the first half turns with minus the second
+          float v = to_float(in[i]), rotated = -to_float(in[i + half]);
+          o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
+        }
+        for (int64_t i = half; i < r.width; ++i) {  // and the second half with the first
+          float v = to_float(in[i]), rotated = to_float(in[i - half]);
+          o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// SwiGLU's activation on the fused gate/up output [rows, 2 * n]: bf16(bf16(silu(gate)) * up).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "expected [rows, 2 * n] with a contiguous last dimension");
+  int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = at::empty({rows, n}, gate_up.options());
+  const auto* src = bits(gate_up);
+  auto* dst = bits(out);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const bf16* __restrict g = src + row * stride;
+      const bf16* __restrict u = g + n;
+      bf16* __restrict o = dst + row * n;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = to_float(g[i]);
+        o[i] = to_bf16(round_bf16(v / (1.f + vector_exp(-v))) * to_float(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(xllm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor? norm_weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(xllm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
+}
