@@ -73,3 +73,12 @@ def test_readme_table_lists_every_setting():
         readme = f.read()
     assert options_table() in readme
     assert len(options_table().splitlines()) == len(vars(Settings())) + 2
+
+
+def test_help_lists_every_setting(capsys):
+    """--help prints (a help text with a bare % once made argparse fail on it)."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_settings(["--help"], {})
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--kv-cache-bytes" in out and "20% of host" in out and "XLLM_TORCH_THREADS" in out

@@ -188,7 +188,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     parser = argparse.ArgumentParser(prog="server.py", description="xllm_async OpenAI-compatible server")
     for name, (_, help_text) in _OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), "--" + name, dest=name, default=None,
-                            metavar="VALUE", help=f"{help_text} [env {env_name(name)}]")
+                            metavar="VALUE",  # (argparse formats help with %: "20%" would break --help)
+                            help=f"{help_text} [env {env_name(name)}]".replace("%", "%%"))
     args = parser.parse_args(argv)
     values = {}
     for name, (parse, _) in _OPTIONS.items():
