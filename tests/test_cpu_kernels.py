@@ -87,3 +87,18 @@ def test_a_bfloat16_model_answers_the_same_with_and_without_them(tiny_model_dir)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
     float32 = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
     assert not float32.model.fused  # float32 keeps the eager code (compared with transformers)
+
+
+def test_without_a_compiler_the_model_runs_its_eager_code_and_says_so(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)  # as in a fresh process
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda: str(tmp_path / "cpu_kernels-none.so"))
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    with caplog.at_level("WARNING", logger="xllm_async.cpu_kernels"):
+        runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    assert not runner.model.fused
+    assert "fused CPU kernels unavailable" in caplog.text
+    with torch.inference_mode():
+        logits, _ = runner.prefill(random_prompts(3, [6, 11]))
+    assert logits.shape[0] == 2 and torch.isfinite(logits).all()

@@ -26,7 +26,14 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-BUILD_DIR = os.path.join(os.path.dirname(__file__), "csrc", "build")
+
+
+def _build_dir() -> str:
+    """Beside the source (a checkout); where the package cannot be written to, the user's cache."""
+    here = os.path.dirname(SOURCE)
+    if os.access(here, os.W_OK):
+        return os.path.join(here, "build")
+    return os.path.join(os.path.expanduser("~"), ".cache", "xllm_async", "kernels")
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -50,7 +57,7 @@ def library_path() -> str:
         digest.update(f.read())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
-    return os.path.join(BUILD_DIR, f"cpu_kernels-{digest.hexdigest()[:16]}.so")
+    return os.path.join(_build_dir(), f"cpu_kernels-{digest.hexdigest()[:16]}.so")
 
 
 def _compile_command(output: str) -> list[str]:
@@ -68,15 +75,18 @@ def build() -> str:
     path = library_path()
     if os.path.exists(path):
         return path
-    os.makedirs(BUILD_DIR, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     # Into a temporary name, then renamed: servers starting side by side never load half a file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=BUILD_DIR)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
         result = subprocess.run(_compile_command(partial), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE} failed:\n{result.stderr[-2000:]}")
         os.replace(partial, path)
+        for name in os.listdir(os.path.dirname(path)):  # builds of an older source or torch
+            if name.startswith("cpu_kernels-") and name.endswith(".so") and name != os.path.basename(path):
+                os.unlink(os.path.join(os.path.dirname(path), name))
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

@@ -8,9 +8,10 @@
 // Rows are independent, so a row's result never depends on the batch around it.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -58,6 +59,26 @@ inline float vector_exp(float x) {
   return p * scale;
 }
 
+// Rows split over the calling thread's OpenMP threads (as many as torch.set_num_threads gave it).
+// Not ATen's parallel_for: compiled into this library, its first call on a thread re-applies the
+// process's last torch.set_num_threads value to that thread (ATen's lazy per-thread init, a copy
+// of its own here), and an execution slot that had just taken both cores then ran on one.
+template <typename Body>
+void parallel_rows(int64_t rows, int64_t grain, const Body& body) {
+  int64_t chunks = std::min<int64_t>(omp_get_max_threads(), (rows + grain - 1) / grain);
+  if (chunks <= 1 || omp_in_parallel()) {
+    body(0, rows);
+    return;
+  }
+  int64_t per = (rows + chunks - 1) / chunks;
+#pragma omp parallel num_threads(static_cast<int>(chunks))
+  {
+    int64_t begin = omp_get_thread_num() * per;
+    int64_t end = std::min(rows, begin + per);
+    if (begin < end) body(begin, end);
+  }
+}
+
 // A tensor seen as rows of `width` contiguous values: [rows, width] or [rows, heads, width] with
 // any row stride (q and k are views of the fused qkv output).
 struct Rows {
@@ -97,7 +118,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto* src = bits(x);
   const auto* w = bits(weight);
   auto* dst = bits(out);
-  at::parallel_for(0, r.rows * r.heads, 64, [&](int64_t begin, int64_t end) {
+  parallel_rows(r.rows * r.heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t row = i / r.heads, head = i % r.heads;
       norm_row(src + row * r.row_stride + head * r.head_stride, w, dst + i * r.width, r.width,
@@ -125,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   auto* s = bits(sum);
   auto* o = bits(out);
   int64_t sa = x.stride(0), sb = residual.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_rows(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t i = 0; i < n; ++i) s[row * n + i] = to_bf16(to_float(b[row * sb + i]) + to_float(a[row * sa + i]));
       norm_row(s + row * n, w, o + row * n, n, static_cast<float>(eps));
@@ -158,7 +179,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const float* s = sin.data_ptr<float>();
   auto* dst = bits(out);
   int64_t half = r.width / 2;
-  at::parallel_for(0, r.rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_rows(r.rows, 16, [&](int64_t begin, int64_t end) {
     bf16 normed[1024];
     for (int64_t row = begin; row < end; ++row) {
       const float* cr = c + row * r.width;
@@ -193,7 +214,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto out = at::empty({rows, n}, gate_up.options());
   const auto* src = bits(gate_up);
   auto* dst = bits(out);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_rows(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const bf16* __restrict g = src + row * stride;
       const bf16* __restrict u = g + n;
