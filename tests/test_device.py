@@ -132,3 +132,30 @@ def test_slot_threads_run_nicer_than_the_process():
     finally:
         for slot in slots:
             slot.stop()
+
+
+def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
+    """Two slots that had each grown an OpenMP pool over every core ran a lone request no faster
+    than on one core (executor.start_slots): only slot 0 widens, and the scheduler gives it the
+    next batch whenever it is idle."""
+    from xllm_async.engine.fixed_steps import FixedStepsBatcher
+    from xllm_async.runtime.executor import start_slots
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    slots = start_slots(torch.device("cpu"), 2)
+    try:
+        assert [(s.binding.cpu_threads, s.binding.all_threads) for s in slots] == [(2, 4), (2, 2)]
+        batcher = FixedStepsBatcher.__new__(FixedStepsBatcher)  # only its idle list is used here
+        batcher._idle = [slots[1], slots[0]]
+        assert batcher._take_idle() is slots[0] and batcher._take_idle() is slots[1]
+        batcher._idle = [slots[0], slots[1]]
+        assert batcher._take_idle() is slots[0]
+    finally:
+        for slot in slots:
+            slot.stop()
+    pinned = start_slots(torch.device("cpu"), 2, cpu_threads=1)  # a set thread count: never wider
+    try:
+        assert [s.binding.all_threads for s in pinned] == [1, 1]
+    finally:
+        for slot in pinned:
+            slot.stop()

@@ -97,7 +97,7 @@ class FixedStepsBatcher:
         # not one loop iteration later in _run: that hop is tens of microseconds
         # on a lone request's latency.
         if self._idle and not self._filling and not self._worth_filling(self.busy_slots):
-            self._start(self._idle.pop())
+            self._start(self._take_idle())
         elif not self._idle and not self._filling and self._joining:
             self._join()
         if self.waiting:
@@ -138,13 +138,21 @@ class FixedStepsBatcher:
             while not (self.waiting and self._idle):
                 self._arrived.clear()
                 await self._arrived.wait()
-            slot = self._idle.pop()
+            slot = self._take_idle()
             self._filling = True
             try:
                 await self._fill()
             finally:
                 self._filling = False
             self._start(slot)
+
+    def _take_idle(self):
+        """An idle slot: slot 0 if it is idle (the one that may take every core while alone:
+        executor.start_slots), else the one freed last."""
+        for i, slot in enumerate(self._idle):
+            if slot.index == 0:
+                return self._idle.pop(i)
+        return self._idle.pop()
 
     def _start(self, slot) -> None:
         """Take the next batch off the queue and hand it to this slot."""

@@ -90,7 +90,13 @@ def start_slots(device: torch.device, count: int, cpu_threads: int = 0, nice: in
     the process (lower_priority)."""
     cores = os.cpu_count() or 1
     threads = cpu_threads or max(1, cores // count)
-    slots = [ExecutionSlot(i, device, threads, nice, 0 if cpu_threads else cores) for i in range(count)]
+    # Only slot 0 may take every core while alone. Each slot thread keeps an OpenMP pool of its
+    # own, and once two slots had each grown theirs to every core, libgomp counted more threads
+    # than cores and a lone slot ran no faster on all of them than on its share (SmolLM2 decode,
+    # 2 cores: 2.9 s a request on a fresh server, 4.8 s after both had been alone; one thread:
+    # 4.6 s). The scheduler hands slot 0 the next batch whenever it is idle.
+    slots = [ExecutionSlot(i, device, threads, nice, cores if i == 0 and not cpu_threads else 0)
+             for i in range(count)]
     for slot in slots:
         slot.start()
     return slots

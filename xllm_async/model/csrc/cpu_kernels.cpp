@@ -59,10 +59,9 @@ inline float vector_exp(float x) {
   return p * scale;
 }
 
-// Rows split over the calling thread's OpenMP threads (as many as torch.set_num_threads gave it).
-// Not ATen's parallel_for: compiled into this library, its first call on a thread re-applies the
-// process's last torch.set_num_threads value to that thread (ATen's lazy per-thread init, a copy
-// of its own here), and an execution slot that had just taken both cores then ran on one.
+// Rows split over the calling thread's OpenMP threads (as many as torch.set_num_threads gave that
+// execution slot), with OpenMP itself: ATen's parallel_for is inline code that would compile its
+// own copy of ATen's per-thread bookkeeping into this library, and we need none of it.
 template <typename Body>
 void parallel_rows(int64_t rows, int64_t grain, const Body& body) {
   int64_t chunks = std::min<int64_t>(omp_get_max_threads(), (rows + grain - 1) / grain);
