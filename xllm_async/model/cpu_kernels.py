@@ -35,6 +35,7 @@ def _build_dir() -> str:
         return os.path.join(here, "build")
     return os.path.join(os.path.expanduser("~"), ".cache", "xllm_async", "kernels")
 
+
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -75,6 +76,7 @@ def build() -> str:
     path = library_path()
     if os.path.exists(path):
         return path
+    log.info("building the fused CPU kernels for this CPU (once): %s", path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Into a temporary name, then renamed: servers starting side by side never load half a file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
@@ -99,9 +101,6 @@ def available() -> bool:
     with _lock:
         if _loaded is None:
             try:
-                path = library_path()
-                if not os.path.exists(path):
-                    log.info("building the fused CPU kernels for this CPU (once): %s", path)
                 torch.ops.load_library(build())
                 _loaded = True
             except Exception as exc:  # no compiler, no headers: the eager code still runs

@@ -60,6 +60,8 @@ def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
 
 
 class Attention(nn.Module):
+    fused = False  # set by use_fused_kernels: q/k norm and rotary in one kernel each
+
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -71,8 +73,6 @@ class Attention(nn.Module):
         self.o = Linear(self.q_size, shape.hidden, bias=shape.o_bias)
         self.q_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
-
-    fused = False  # set by use_fused_kernels: q/k norm and rotary in one kernel each
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         rows = cos.shape[0]  # the batch's tokens: x may carry padding rows after them (CausalLM.forward)
