@@ -3,7 +3,9 @@ one of these context objects (built once, shared by every layer), so the model
 code says only what the model computes; the bookkeeping lives here.
 
 - PackedPrefill: prompts concatenated without padding, causal attention per
-  sequence (equal-length neighbours run as one call), keys written to the cache.
+  sequence, keys written to the cache. In bfloat16 on a CPU with AMX, one call of
+  our kernel for the whole batch (csrc/varlen_attention.cpp); elsewhere torch's
+  kernel, a call per run of equal-length neighbours.
 - Decode: one new token per row against its slab of the cache (a view).
 - BeamDecode: the beams of a request share its prompt's keys, stored once; each
   round attends to the prompt once for all beams (one batched product), then to
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .kv_cache import SlabCache
 
 # The fused CPU attention kernel behind scaled_dot_product_attention, called directly for the
@@ -113,6 +116,10 @@ class PackedPrefill:
         """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens (or sequences), heads * dim]."""
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k.shape[1]
+        kernel = cpu_kernels.varlen_attention()
+        if kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and dim % 32 == 0:
+            self._store(layer, k, v)
+            return kernel(q, k, v, self.lengths, scale, self.last_only).view(-1, heads * dim)
         outs = []
         row = self.first_row
         for start, count, length in self.groups:
@@ -137,6 +144,19 @@ class PackedPrefill:
             outs.append(out.transpose(1, 2).reshape(-1, heads * dim))
             row += count
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prompts' keys and values into their cache rows (where they have a cache)."""
+        if self.cache is None:
+            return
+        keys, values = self.cache.keys(layer), self.cache.values(layer)
+        row, kv_heads, dim = self.first_row, k.shape[1], k.shape[2]
+        for start, count, length in self.groups:
+            end = start + count * length
+            keys[row:row + count, :, :length] = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+            values[row:row + count, :, :length] = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+            row += count
 
 
 class Decode:

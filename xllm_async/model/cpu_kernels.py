@@ -1,7 +1,8 @@
 """Our fused bfloat16 CPU kernels (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm,
 rotary embedding (after Qwen3's per-head norm), SiLU x up. Each is one pass over memory where
 the eager code makes four to eight; a bfloat16 prefill spent half its time in such passes
-(perf/RESULTS.md, tenth session).
+(perf/RESULTS.md, tenth session). On CPUs with AMX, also causal attention over a whole batch of
+packed prompts in one call (csrc/varlen_attention.cpp, eleventh session).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -26,6 +27,8 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+# Compiled into the same library; its operator exists only on CPUs with AMX.
+SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "varlen_attention.cpp"))
 
 
 def _build_dir() -> str:
@@ -38,6 +41,7 @@ def _build_dir() -> str:
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
+_varlen = None  # torch.ops.xllm.varlen_attention once loaded, where this CPU has AMX
 
 
 def _cpu_flags() -> str:
@@ -54,8 +58,10 @@ def _cpu_flags() -> str:
 def library_path() -> str:
     """The library for this source, this torch and this CPU (built for its instruction set)."""
     digest = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        digest.update(f.read())
+    for name in sorted(os.listdir(os.path.dirname(SOURCE))):  # the sources and the header they share
+        if name.endswith((".cpp", ".h")):
+            with open(os.path.join(os.path.dirname(SOURCE), name), "rb") as f:
+                digest.update(f.read())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return os.path.join(_build_dir(), f"cpu_kernels-{digest.hexdigest()[:16]}.so")
@@ -67,8 +73,8 @@ def _compile_command(output: str) -> list[str]:
     return [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
             "-fopenmp", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
             "-I", os.path.join(root, "include"), "-I", os.path.join(root, "include", "torch", "csrc", "api", "include"),
-            SOURCE, "-L", os.path.join(root, "lib"), "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{os.path.join(root, 'lib')}",
-            "-o", output]
+            *SOURCES, "-L", os.path.join(root, "lib"), "-ltorch_cpu", "-lc10",
+            f"-Wl,-rpath,{os.path.join(root, 'lib')}", "-o", output]
 
 
 def build() -> str:
@@ -84,7 +90,7 @@ def build() -> str:
     try:
         result = subprocess.run(_compile_command(partial), capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE} failed:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"compiling {' and '.join(SOURCES)} failed:\n{result.stderr[-2000:]}")
         os.replace(partial, path)
         for name in os.listdir(os.path.dirname(path)):  # builds of an older source or torch
             if name.startswith("cpu_kernels-") and name.endswith(".so") and name != os.path.basename(path):
@@ -95,18 +101,39 @@ def build() -> str:
     return path
 
 
+def _working_varlen():
+    """The packed attention operator if this build has it (CPUs with AMX) and it runs here."""
+    op = getattr(torch.ops.xllm, "varlen_attention", None)
+    if op is not None:
+        try:  # (the kernel asks Linux for AMX state on its first call; a refusal raises)
+            x = torch.zeros(2, 1, 16, dtype=torch.bfloat16)
+            op(x, x, x, [2], 1.0, False)
+        except RuntimeError as exc:
+            log.warning("packed attention kernel unusable here: %s", exc)
+            op = None
+    log.info("packed attention: %s", "our AMX kernel, one call a batch" if op is not None
+             else "torch's kernel, a call per prompt length (no AMX here)")
+    return op
+
+
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded
+    global _loaded, _varlen
     with _lock:
         if _loaded is None:
             try:
                 torch.ops.load_library(build())
                 _loaded = True
+                _varlen = _working_varlen()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
         return _loaded
+
+
+def varlen_attention():
+    """Our packed causal attention (csrc/varlen_attention.cpp) once the library is loaded, or None."""
+    return _varlen
 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
