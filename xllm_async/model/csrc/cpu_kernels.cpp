@@ -16,6 +16,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512BF16__)
+#include "avx512_bf16.h"
+#endif
+
 namespace {
 
 // bfloat16 values as their raw 16 bits: loops over plain integers and floats are what the
@@ -99,6 +103,20 @@ void check_bf16(const at::Tensor& x, const char* name) {
 
 // out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))): transformers' Qwen3/Llama RMSNorm in bfloat16.
 inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+#if defined(__AVX512BF16__)
+  namespace simd = xllm_simd;
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = simd::load_bf16(x + i, simd::lanes(n - i));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 live = simd::lanes(n - i);
+    __m512 normed = simd::round_bf16(_mm512_mul_ps(simd::load_bf16(x + i, live), scale));
+    simd::store_bf16(out + i, _mm512_mul_ps(simd::load_bf16(w + i, live), normed), live);
+  }
+#else
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     float v = to_float(x[i]);
@@ -106,6 +124,7 @@ inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float e
   }
   float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(w[i]) * round_bf16(to_float(x[i]) * scale));
+#endif
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -147,7 +166,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   int64_t sa = x.stride(0), sb = residual.stride(0);
   parallel_rows(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
+#if defined(__AVX512BF16__)
+      for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 live = xllm_simd::lanes(n - i);
+        xllm_simd::store_bf16(s + row * n + i, _mm512_add_ps(xllm_simd::load_bf16(b + row * sb + i, live),
+                                                             xllm_simd::load_bf16(a + row * sa + i, live)), live);
+      }
+#else
       for (int64_t i = 0; i < n; ++i) s[row * n + i] = to_bf16(to_float(b[row * sb + i]) + to_float(a[row * sa + i]));
+#endif
       norm_row(s + row * n, w, o + row * n, n, static_cast<float>(eps));
     }
   });
@@ -190,6 +217,23 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
           in = normed;
         }
         bf16* o = dst + (row * r.heads + head) * r.width;
+#if defined(__AVX512BF16__)
+        namespace simd = xllm_simd;
+        for (int64_t i = 0; i < half; i += 16) {  // both halves, 16 lanes of each at a time
+          __mmask16 live = simd::lanes(half - i);
+          __m512 first = simd::load_bf16(in + i, live), second = simd::load_bf16(in + half + i, live);
+          __m512 c1 = simd::round_bf16(_mm512_maskz_loadu_ps(live, cr + i));
+          __m512 s1 = simd::round_bf16(_mm512_maskz_loadu_ps(live, sr + i));
+          __m512 c2 = simd::round_bf16(_mm512_maskz_loadu_ps(live, cr + half + i));
+          __m512 s2 = simd::round_bf16(_mm512_maskz_loadu_ps(live, sr + half + i));
+          __m512 minus_second = _mm512_sub_ps(_mm512_setzero_ps(), second);
+          simd::store_bf16(o + i, _mm512_add_ps(simd::round_bf16(_mm512_mul_ps(first, c1)),
+                                                simd::round_bf16(_mm512_mul_ps(minus_second, s1))), live);
+          simd::store_bf16(o + half + i, _mm512_add_ps(simd::round_bf16(_mm512_mul_ps(second, c2)),
+                                                       simd::round_bf16(_mm512_mul_ps(first, s2))), live);
+        }
+        continue;
+#endif
         for (int64_t i = 0; i < half; ++i) {  // the first half turns with minus the second
           float v = to_float(in[i]), rotated = -to_float(in[i + half]);
           o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
@@ -218,10 +262,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const bf16* __restrict g = src + row * stride;
       const bf16* __restrict u = g + n;
       bf16* __restrict o = dst + row * n;
+#if defined(__AVX512BF16__)
+      // 16 at a time: the scalar loop below is bound by its exp and division (1.2x eager); this
+      // one by memory.
+      namespace simd = xllm_simd;
+      for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 live = simd::lanes(n - i);
+        __m512 v = simd::load_bf16(g + i, live);
+        __m512 e = simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        __m512 silu = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));  // (v / inf = -0, as torch)
+        simd::store_bf16(o + i, _mm512_mul_ps(simd::round_bf16(silu), simd::load_bf16(u + i, live)), live);
+      }
+#else
       for (int64_t i = 0; i < n; ++i) {
         float v = to_float(g[i]);
         o[i] = to_bf16(round_bf16(v / (1.f + vector_exp(-v))) * to_float(u[i]));
       }
+#endif
     }
   });
   return out;
