@@ -58,18 +58,19 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
 # 768 x 256, 1,000 rows, one thread): 4.6 ms the first time, 0.56 ms from the cache. Packed prompts
 # and beam rounds come with any number of rows, so nearly every batch paid that for each linear
 # shape, and filled the cache with kernels used once (most of a 10,000-request soak's growth). So
-# rows beyond EXACT_ROWS are padded up to one of 8 sizes a doubling (at most 1/8 more rows): 88
-# sizes up to 8,192 rows, each compiled once. Up to EXACT_ROWS (the decode steps of a few
-# clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of 64 x 64,
-# 2.4 MB a row count), so every size costs memory: EXACT_ROWS was 64, and a soak's decode steps
-# of 17-64 rows met 48 sizes where they now meet 14.
+# rows beyond EXACT_ROWS are padded up to one of 4 sizes a doubling (at most 1/4 more rows, 1/8
+# on average): 36 sizes up to 8,192 rows, each compiled once. Up to EXACT_ROWS (the decode steps
+# of a few clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of
+# 64 x 64, 2.4 MB a row count), so every size costs memory, and sizes first met late in a soak
+# are its growth: EXACT_ROWS was 64 (a soak's decode steps of 17-64 rows met 48 sizes, then 14),
+# and 8 sizes a doubling left a soak +6-10% (now +6-8%, 40 MB lower; prefill speed within noise).
 EXACT_ROWS = 16
 
 
 def padded_rows(rows: int) -> int:
     if rows <= EXACT_ROWS:
         return rows
-    step = 1 << (rows.bit_length() - 4)
+    step = 1 << (rows.bit_length() - 3)
     return -(-rows // step) * step
 
 
