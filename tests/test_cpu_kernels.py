@@ -103,6 +103,46 @@ def test_a_prompts_attention_does_not_depend_on_the_batch_around_it():
 
 
 @needs_amx
+@pytest.mark.parametrize("beams,heads,kv_heads,dim,length", [(5, 4, 2, 16, 37), (128, 8, 4, 64, 300), (3, 9, 3, 64, 1)])
+def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, heads, kv_heads, dim, length):
+    """A beam round's prompt stage: every beam against the request's prompt keys, read in place
+    from a cache slab [rows, kv_heads, capacity, dim]; the log-sum-exp is what the merge with
+    the beams' own tokens needs."""
+    q = randn(beams, heads + 1, dim, seed=10)[:, :heads]  # any beam stride
+    slab = randn(3, kv_heads, length + 20, dim, seed=11)
+    k, v = slab[1, :, :length], slab[2, :, :length]
+    out, lse = torch.ops.xllm.prefix_attention(q, k, v, dim ** -0.5)
+    group = heads // kv_heads
+    qf = q.float().view(beams, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, beams * group, dim)
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)) * dim ** -0.5
+    ref = torch.matmul(scores.softmax(-1), v.float()).view(kv_heads, beams, group, dim).transpose(0, 1)
+    ref_lse = scores.logsumexp(-1).view(kv_heads, beams, group).transpose(0, 1)
+    assert torch.allclose(out.float(), ref.reshape(beams, heads, dim), atol=3e-2, rtol=1e-2)
+    assert torch.allclose(lse, ref_lse.reshape(beams, heads), atol=1e-3, rtol=1e-4)
+
+
+@needs_amx
+def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_model_dir, monkeypatch):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    from .test_native_engine import run_beams
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    runner.set_kv_cache(64 << 20, 1)
+    prompts, widths, rounds = random_prompts(18, [30, 12, 50]), [4, 16, 8], [3, 3, 2]
+    calls = []
+    kernel = cpu_kernels.prefix_attention()
+    monkeypatch.setattr(cpu_kernels, "_prefix", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    ours = run_beams(runner, prompts, widths, rounds)
+    assert calls and set(calls) <= set(widths)
+    monkeypatch.setattr(cpu_kernels, "_prefix", None)
+    theirs = run_beams(runner, prompts, widths, rounds)
+    # The same beams found, in whatever order: bfloat16 sums in another order move close scores.
+    same = sum(len({tuple(t) for t, _ in x} & {tuple(t) for t, _ in y}) for x, y in zip(ours, theirs))
+    assert same >= 0.8 * sum(widths)
+
+
+@needs_amx
 def test_packed_attention_refuses_what_it_does_not_handle():
     q, k, v = packed_qkv([5, 6], 4, 2, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -151,7 +191,11 @@ def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, mo
                 tokens.append(runner.decode(cache, tokens[-1]).argmax(-1).tolist())
         return tokens
 
+    calls = []
+    kernel = cpu_kernels.varlen_attention()
+    monkeypatch.setattr(cpu_kernels, "_varlen", lambda *args: calls.append(args[3]) or kernel(*args))
     ours = greedy()
+    assert [9, 70, 33] in calls and [50, 4] in calls  # (the tiny model's heads are 16 wide)
     monkeypatch.setattr(cpu_kernels, "_varlen", None)
     theirs = greedy()
     same = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))

@@ -41,7 +41,10 @@ def _build_dir() -> str:
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
-_varlen = None  # torch.ops.xllm.varlen_attention once loaded, where this CPU has AMX
+# Our attention operators once loaded, where this CPU has AMX: torch.ops.xllm.varlen_attention
+# (packed prompts) and prefix_attention (a beam round's prompt stage).
+_varlen = None
+_prefix = None
 
 
 def _cpu_flags() -> str:
@@ -101,30 +104,32 @@ def build() -> str:
     return path
 
 
-def _working_varlen():
-    """The packed attention operator if this build has it (CPUs with AMX) and it runs here."""
-    op = getattr(torch.ops.xllm, "varlen_attention", None)
-    if op is not None:
-        try:  # (the kernel asks Linux for AMX state on its first call; a refusal raises)
+def _working_attention():
+    """Our attention operators if this build has them (CPUs with AMX) and they run here."""
+    varlen = getattr(torch.ops.xllm, "varlen_attention", None)
+    prefix = getattr(torch.ops.xllm, "prefix_attention", None)
+    if varlen is not None and prefix is not None:
+        try:  # (the kernels ask Linux for AMX state on their first call; a refusal raises)
             x = torch.zeros(2, 1, 16, dtype=torch.bfloat16)
-            op(x, x, x, [2], 1.0, False)
+            varlen(x, x, x, [2], 1.0, False)
+            prefix(x, x[None, :, 0], x[None, :, 0], 1.0)
         except RuntimeError as exc:
-            log.warning("packed attention kernel unusable here: %s", exc)
-            op = None
-    log.info("packed attention: %s", "our AMX kernel, one call a batch" if op is not None
+            log.warning("attention kernels unusable here: %s", exc)
+            varlen = prefix = None
+    log.info("packed attention: %s", "our AMX kernels, one call a batch" if varlen is not None
              else "torch's kernel, a call per prompt length (no AMX here)")
-    return op
+    return varlen, prefix
 
 
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen
+    global _loaded, _varlen, _prefix
     with _lock:
         if _loaded is None:
             try:
                 torch.ops.load_library(build())
                 _loaded = True
-                _varlen = _working_varlen()
+                _varlen, _prefix = _working_attention()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
@@ -134,6 +139,11 @@ def available() -> bool:
 def varlen_attention():
     """Our packed causal attention (csrc/varlen_attention.cpp) once the library is loaded, or None."""
     return _varlen
+
+
+def prefix_attention():
+    """Our beam-round prompt-stage attention (csrc/varlen_attention.cpp) once loaded, or None."""
+    return _prefix
 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:

@@ -88,7 +88,8 @@ struct Scratch {
 // group) rows, position-major, from query position `first` on.
 struct Block {
   bf16* out[kBlockRows];
-  int64_t seen[kBlockRows];  // keys the row may see (causal): its position + 1
+  float* lse[kBlockRows];    // where a row's log-sum-exp goes (the prompt stage of a beam round), or null
+  int64_t seen[kBlockRows];  // keys the row may see (causal: its position + 1; a prompt stage: all)
   int rows;                 // real rows; the rest repeat the last one and are not written
   int64_t span;             // keys the block's last row sees
 };
@@ -119,7 +120,8 @@ void softmax_rows(const Block& b, int count, const float* scores, bf16* probs, i
     const float* sr = scores + r * width;
     bf16* pr = probs + r * width;
     const int64_t seen = b.seen[r];
-    const __m512 shift = _mm512_set1_ps(row_max(sr, seen) * log2_scale);
+    const float peak = row_max(sr, seen) * log2_scale;  // in log2 units
+    const __m512 shift = _mm512_set1_ps(peak);
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < width; j += kKeys) {
       const int64_t left = seen - j;
@@ -131,7 +133,9 @@ void softmax_rows(const Block& b, int count, const float* scores, bf16* probs, i
       }
       xllm_simd::store_bf16(pr + j, e, 0xFFFF);
     }
-    inverse[r] = 1.f / _mm512_reduce_add_ps(total);
+    const float sum = _mm512_reduce_add_ps(total);
+    inverse[r] = 1.f / sum;
+    if (b.lse[r] != nullptr) *b.lse[r] = peak * 0.693147180559945309f + std::log(sum);  // ln of sum e^(x scale)
   }
 }
 
@@ -146,12 +150,19 @@ inline void write_row(bf16* o, const float* values, float inverse, int64_t n) {
 // Keys as [block of 16][dim pair][key][2] (a dim pair of 16 keys is one vector, or one row of
 // an AMX tile), values as [key pair][dim][2] (16 dims of two keys), both `wide` dims wide and
 // zero past `length` up to `padded` (a multiple of 32).
-void pack(const Packed& a, Scratch& s, int64_t start, int64_t length, int64_t kv_head, int64_t padded) {
+// One key head's keys and values: token j's at k + j * k_stride and v + j * v_stride.
+struct KeySpan {
+  const bf16* k;
+  const bf16* v;
+  int64_t k_stride, v_stride;
+};
+
+void pack(const Packed& a, Scratch& s, const KeySpan& kv, int64_t length, int64_t padded) {
   const int64_t dim = a.dim, wide = a.wide;
   // Keys: a dim pair of 16 keys is one gather (16 scalar copies a pair took a sixth of the time).
   bf16* kp = s.keys.data();
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int32_t>(a.k_stride / 2)));
+                                          _mm512_set1_epi32(static_cast<int32_t>(kv.k_stride / 2)));
   for (int64_t j = 0; j < padded; j += kKeys) {
     bf16* dst = kp + (j / kKeys) * wide * kKeys;
     const int64_t left = length - j;
@@ -160,7 +171,7 @@ void pack(const Packed& a, Scratch& s, int64_t start, int64_t length, int64_t kv
       continue;
     }
     const __mmask16 live = xllm_simd::lanes(left);
-    const int32_t* src = reinterpret_cast<const int32_t*>(a.k + (start + j) * a.k_stride + kv_head * dim);
+    const int32_t* src = reinterpret_cast<const int32_t*>(kv.k + j * kv.k_stride);
     for (int64_t p = 0; p < wide / 2; ++p) {
       __m512i pair = p < dim / 2 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + p, 4)
                                  : _mm512_setzero_si512();
@@ -176,11 +187,9 @@ void pack(const Packed& a, Scratch& s, int64_t start, int64_t length, int64_t kv
     bf16* dst = vp + (j / 2) * wide * 2;
     for (int64_t d = 0; d < wide; d += 32) {
       const __mmask32 live = dim - d >= 32 ? ~0u : (1u << (dim - d)) - 1;
-      __m512i first = j < length ? _mm512_maskz_loadu_epi16(live, a.v + (start + j) * a.v_stride + kv_head * dim + d)
-                                 : _mm512_setzero_si512();
-      __m512i second = j + 1 < length
-                           ? _mm512_maskz_loadu_epi16(live, a.v + (start + j + 1) * a.v_stride + kv_head * dim + d)
-                           : _mm512_setzero_si512();
+      __m512i first = j < length ? _mm512_maskz_loadu_epi16(live, kv.v + j * kv.v_stride + d) : _mm512_setzero_si512();
+      __m512i second =
+          j + 1 < length ? _mm512_maskz_loadu_epi16(live, kv.v + (j + 1) * kv.v_stride + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(first, low, second));
       _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(first, high, second));
     }
@@ -294,31 +303,44 @@ class Tiles {
   TileConfig saved_;
 };
 
+// Query rows [0, rows) of one key head against its `length` keys (packed into s already): a
+// block of 32 at a time; row_at(r, b, i) fills slot i of block b with row r's query, output,
+// log-sum-exp and the keys it sees.
+template <typename RowAt>
+void attend_rows(const Packed& a, Scratch& s, int64_t rows, const RowAt& row_at) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+    Block b;
+    b.rows = static_cast<int>(std::min<int64_t>(kBlockRows, rows - r0));
+    for (int i = 0; i < kBlockRows; ++i) row_at(std::min(r0 + i, rows - 1), b, i);  // (a short block repeats its last row)
+    b.span = *std::max_element(b.seen, b.seen + kBlockRows);
+    block_amx(a, s, b);
+  }
+}
+
+// The block's query i, `wide` apart and zero past dim.
+inline void copy_query(const Packed& a, Scratch& s, int i, const bf16* q) {
+  bf16* qs = s.queries.data() + i * a.wide;
+  std::memcpy(qs, q, a.dim * sizeof(bf16));
+  if (a.wide > a.dim) std::memset(qs + a.dim, 0, (a.wide - a.dim) * sizeof(bf16));
+}
+
 // One sequence (tokens [start, start + length)) and one key head: its queries from position
-// `first` on (length - 1: its last token only), written from out row `out_row` on.
+// `first` on (length - 1: its last token only), written from out row `out_row` on. Rows are
+// (position, head of the group), position-major.
 void attend_one(const Packed& a, Scratch& s, int64_t start, int64_t length, int64_t kv_head, int64_t first,
                 int64_t out_row) {
   const int64_t group = a.heads / a.kv_heads;
   const int64_t padded = (length + 31) / 32 * 32;
   s.fit(padded, a.wide);
-  pack(a, s, start, length, kv_head, padded);
-  const int64_t rows = (length - first) * group;
-  const int step = kBlockRows;
-  for (int64_t r0 = 0; r0 < rows; r0 += step) {
-    Block b;
-    b.rows = static_cast<int>(std::min<int64_t>(step, rows - r0));
-    bf16* qs = s.queries.data();  // the block's queries, `wide` apart and zero past dim
-    for (int r = 0; r < step; ++r) {
-      int64_t row = std::min(r0 + r, rows - 1);
-      int64_t pos = first + row / group, head = kv_head * group + row % group;
-      std::memcpy(qs + r * a.wide, a.q + (start + pos) * a.q_stride + head * a.dim, a.dim * sizeof(bf16));
-      if (a.wide > a.dim) std::memset(qs + r * a.wide + a.dim, 0, (a.wide - a.dim) * sizeof(bf16));
-      b.out[r] = a.out + ((out_row + pos - first) * a.heads + head) * a.dim;
-      b.seen[r] = pos + 1;
-    }
-    b.span = b.seen[step - 1];
-    block_amx(a, s, b);
-  }
+  pack(a, s, {a.k + start * a.k_stride + kv_head * a.dim, a.v + start * a.v_stride + kv_head * a.dim, a.k_stride,
+              a.v_stride}, length, padded);
+  attend_rows(a, s, (length - first) * group, [&](int64_t row, Block& b, int i) {
+    int64_t pos = first + row / group, head = kv_head * group + row % group;
+    copy_query(a, s, i, a.q + (start + pos) * a.q_stride + head * a.dim);
+    b.out[i] = a.out + ((out_row + pos - first) * a.heads + head) * a.dim;
+    b.lse[i] = nullptr;
+    b.seen[i] = pos + 1;
+  });
 }
 
 void check_tokens(const at::Tensor& x, const char* name, int64_t dim) {
@@ -373,12 +395,69 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// A beam round's prompt stage: every beam of a request (q [beams, heads, dim], any beam stride)
+// against all of the request's prompt keys k/v [kv_heads, length, dim] (a cache slab: tokens
+// contiguous, any head stride), no mask -> (out [beams, heads, dim], and each row's log-sum-exp
+// [beams, heads] in float32, to merge with the beams' own tokens). All beams of a key head share
+// one packing of its keys and values: 128 beams x 2 heads are 8 blocks of 32 rows against it.
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    double scale) {
+  const int64_t dim = q.size(-1);
+  check_tokens(q, "q", dim);
+  TORCH_CHECK(dim % 16 == 0 && dim <= 512, "head width must be a multiple of 16, at most 512");
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kBFloat16, "k and v must be bfloat16 CPU tensors");
+    TORCH_CHECK(x->dim() == 3 && x->size(2) == dim && x->stride(2) == 1 && x->stride(1) == dim &&
+                    x->sizes() == k.sizes(),
+                "k and v must be [kv_heads, tokens, dim] alike with contiguous tokens");
+  }
+  const int64_t beams = q.size(0), heads = q.size(1), kv_heads = k.size(0), length = k.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must group over key heads");
+  TORCH_CHECK(length > 0, "the prompt needs a token");
+  auto out = at::empty({beams, heads, dim}, q.options());
+  auto lse = at::empty({beams, heads}, q.options().dtype(at::kFloat));
+  Packed a{reinterpret_cast<const bf16*>(q.data_ptr()), nullptr, nullptr, reinterpret_cast<bf16*>(out.data_ptr()),
+           q.stride(0), 0, 0, heads, kv_heads, dim, (dim + 31) / 32 * 32, static_cast<float>(scale)};
+  const bf16* keys = reinterpret_cast<const bf16*>(k.data_ptr());
+  const bf16* values = reinterpret_cast<const bf16*>(v.data_ptr());
+  float* lse_at = lse.data_ptr<float>();
+  const int64_t group = heads / kv_heads, padded = (length + 31) / 32 * 32;
+  TORCH_CHECK(amx_permitted(), "this process may not use AMX (arch_prctl refused)");
+  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+    Scratch s;
+    Tiles tiles;
+    s.fit(padded, a.wide);
+    for (int64_t kv_head = begin; kv_head < end; kv_head += step) {
+      pack(a, s, {keys + kv_head * k.stride(0), values + kv_head * v.stride(0), dim, dim}, length, padded);
+      attend_rows(a, s, beams * group, [&](int64_t row, Block& b, int i) {
+        int64_t beam = row / group, head = kv_head * group + row % group;
+        copy_query(a, s, i, a.q + beam * a.q_stride + head * dim);
+        b.out[i] = a.out + (beam * heads + head) * dim;
+        b.lse[i] = lse_at + beam * heads + head;
+        b.seen[i] = length;
+      });
+    }
+  };
+  int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), kv_heads));
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    run(omp_get_thread_num(), kv_heads, omp_get_num_threads());
+  } else {
+    run(0, kv_heads, 1);
+  }
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
   m.def("varlen_attention(Tensor q, Tensor k, Tensor v, int[] lengths, float scale, bool last_only) -> Tensor");
+  m.def("prefix_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(xllm, CPU, m) { m.impl("varlen_attention", &varlen_attention); }
+TORCH_LIBRARY_IMPL(xllm, CPU, m) {
+  m.impl("varlen_attention", &varlen_attention);
+  m.impl("prefix_attention", &prefix_attention);
+}
 
 #endif  // __AMX_BF16__ && __AVX512BF16__
