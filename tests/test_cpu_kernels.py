@@ -142,6 +142,20 @@ def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_m
     assert same >= 0.8 * sum(widths)
 
 
+@pytest.mark.skipif(cpu_kernels.topk_logsumexp() is None, reason="no AVX512-BF16 here: beams keep torch.topk")
+@pytest.mark.parametrize("rows,columns,k", [(128, 16384, 128), (3, 4213, 128), (5, 10, 10), (7, 33, 20), (2, 100, 1)])
+def test_beam_top_k_and_log_sum_exp_match_torch(rows, columns, k):
+    """The k best logits of each row (ties: the lower column first) and its log-sum-exp, as
+    torch.topk and torch.logsumexp give them, the row's other values never sorted."""
+    logits = randn(rows, columns, seed=12) * 2
+    logits[0, 1::7] = logits[0, 0]  # ties
+    values, where, lse = cpu_kernels.topk_logsumexp()(logits, k)
+    assert torch.equal(values, logits.float().topk(k, dim=-1).values)
+    assert torch.equal(logits.float().gather(1, where), values)
+    assert (torch.diff(values, dim=1) < 0).logical_or(torch.diff(where, dim=1) > 0).all()
+    assert torch.allclose(lse, torch.logsumexp(logits.float(), dim=-1), atol=1e-4)
+
+
 @needs_amx
 def test_packed_attention_refuses_what_it_does_not_handle():
     q, k, v = packed_qkv([5, 6], 4, 2, 32)

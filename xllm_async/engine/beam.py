@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..model import cpu_kernels
 from .request import Delta, QueuedRequest
 
 # Vocabulary columns a beam round without an item table takes at a time (BeamSearchBatch._row_tops).
@@ -241,9 +242,20 @@ class BeamSearchBatch:
         block = max(LOGITS_BLOCK_COLUMNS, max(k for _, _, k in spans))
         tops: list[list] = [[] for _ in spans]
         sums = []
+        fused = cpu_kernels.topk_logsumexp()
         for start in range(0, vocab_size, block):
             end = min(vocab_size, start + block)
             logits = self.runner.logits(hidden, as_float=False, columns=(start, end))
+            if fused is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+                # Top k and log-sum-exp in two passes of our kernel (csrc/beam_topk.cpp), not
+                # torch.topk and five passes for the log-sum-exp: the rows of a span at a time.
+                lses = []
+                for found, (first, last, k) in zip(tops, spans):
+                    top, column, lse = fused(logits[first:last], min(k, end - start))
+                    found.append((top, column + start))
+                    lses.append(lse)
+                sums.append(lses[0] if len(lses) == 1 else torch.cat(lses))
+                continue
             for found, (first, last, k) in zip(tops, spans):
                 top, column = logits[first:last].topk(min(k, end - start), dim=-1)
                 found.append((top, column + start))

@@ -27,8 +27,10 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-# Compiled into the same library; its operator exists only on CPUs with AMX.
-SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "varlen_attention.cpp"))
+# Compiled into the same library: the attention operators exist only on CPUs with AMX, the beam
+# top-k only on CPUs with AVX512-BF16.
+SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "varlen_attention.cpp"),
+           os.path.join(os.path.dirname(__file__), "csrc", "beam_topk.cpp"))
 
 
 def _build_dir() -> str:
@@ -45,6 +47,7 @@ _loaded: bool | None = None  # None: not tried yet
 # (packed prompts) and prefix_attention (a beam round's prompt stage).
 _varlen = None
 _prefix = None
+_topk = None  # torch.ops.xllm.topk_logsumexp, where this CPU has AVX512-BF16
 
 
 def _cpu_flags() -> str:
@@ -123,13 +126,14 @@ def _working_attention():
 
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix
+    global _loaded, _varlen, _prefix, _topk
     with _lock:
         if _loaded is None:
             try:
                 torch.ops.load_library(build())
                 _loaded = True
                 _varlen, _prefix = _working_attention()
+                _topk = getattr(torch.ops.xllm, "topk_logsumexp", None)
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
@@ -139,6 +143,11 @@ def available() -> bool:
 def varlen_attention():
     """Our packed causal attention (csrc/varlen_attention.cpp) once the library is loaded, or None."""
     return _varlen
+
+
+def topk_logsumexp():
+    """A logits block's top k and log-sum-exp in two passes (csrc/beam_topk.cpp) once loaded, or None."""
+    return _topk
 
 
 def prefix_attention():
