@@ -157,7 +157,6 @@ class PackedPrefill:
             row += count
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The prompts' keys and values into their cache rows (where they have a cache)."""
         if self.cache is None:

@@ -164,8 +164,8 @@ class CausalLM(nn.Module):
             weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
         rows = hidden.shape[0]
         if self.pad_rows and padded_rows(rows) != rows:
-            # A beam round's rows (its live beams) vary without end, and oneDNN compiles a matmul
-            # kernel per number of rows: padded like the layers' rows, a soak met 16 fewer late.
+            # A beam round's rows (its live beams) take any number, and oneDNN compiles a matmul
+            # kernel per number of rows: padded like the layers' rows, they meet the same few sizes.
             hidden = F.pad(hidden, (0, 0, 0, padded_rows(rows) - rows))
         logits = torch.matmul(hidden, weight.t())[:rows]
         return logits.float() if as_float else logits
