@@ -86,6 +86,11 @@ def _attend_few(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return (torch.matmul(weights, values.float()) / total).to(q.dtype), peak + total.log()
 
 
+def _kernel_width(dim: int) -> bool:
+    """Head widths our attention kernels take (csrc/varlen_attention.cpp)."""
+    return dim % 16 == 0 and dim <= 512
+
+
 def _equal_runs(values: list[int]) -> list[tuple[int, int, int]]:
     """Runs of equal neighbours: (index of the first, how many, the value)."""
     runs: list[tuple[int, int, int]] = []
@@ -129,7 +134,7 @@ class PackedPrefill:
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k.shape[1]
         kernel = cpu_kernels.varlen_attention()
-        if kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and dim % 16 == 0:
+        if kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _kernel_width(dim):
             self._store(layer, k, v)
             return kernel(q, k, v, self.lengths, scale, self.last_only).view(-1, heads * dim)
         outs = []
@@ -235,7 +240,7 @@ class BeamDecode:
         # [kv_heads, beams x group, dim] against [kv_heads, prompt, dim].
         prompt_keys, prompt_values = self.prompts.keys(layer), self.prompts.values(layer)
         kernel = cpu_kernels.prefix_attention()
-        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or dim % 16:
+        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not _kernel_width(dim):
             kernel = None
         outs = []
         for row, (first, end) in enumerate(zip(self.starts, self.starts[1:])):
