@@ -178,12 +178,13 @@ class PackedPrefill:
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
-    __slots__ = ("cache", "positions", "rows", "runs")
+    __slots__ = ("cache", "positions", "rows", "runs", "reads")
 
     def __init__(self, cache: SlabCache) -> None:
         self.cache = cache
         self.rows = cache.rows
         self.positions = cache.lengths[:self.rows].clone()
+        self.reads = self.positions + 1  # keys each row reads, its new one included
         # Runs of rows of equal length (first row, count, keys to read): one attention call each,
         # over exactly the keys of those rows. Never one call over the batch's longest row with
         # the rest masked: the fused kernel blocks its keys by their number, so a row's sums (and
@@ -197,6 +198,12 @@ class Decode:
         keys, values = self.cache.keys(layer), self.cache.values(layer)
         keys[index, :, self.positions] = k
         values[index, :, self.positions] = v
+        kernel = cpu_kernels.decode_attention()
+        if (kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and dim % 32 == 0
+                and dim <= 256 and heads // kv_heads <= 8):
+            # Every row in one call of our kernel (csrc/decode_attention.cpp), not a call per run of
+            # equal lengths: continuous batching's rows mostly differ.
+            return kernel(q, keys, values, self.reads, scale).view(rows, heads * dim)
         # Grouped-query attention without repeating keys: the heads sharing a key head are one
         # matrix of queries against it. torch's fused CPU kernel, not matmul-softmax-matmul: a
         # SmolLM2 step's attention (1 row, 3 x 3 heads, 256 keys, bfloat16) 117 -> 28 us a layer.

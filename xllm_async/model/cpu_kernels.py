@@ -27,10 +27,11 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-# Compiled into the same library: the attention operators exist only on CPUs with AMX, the beam
-# top-k only on CPUs with AVX512-BF16.
+# Compiled into the same library: the prefill attention operators exist only on CPUs with AMX, the
+# beam top-k and decode attention only on CPUs with AVX512-BF16.
 SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "varlen_attention.cpp"),
-           os.path.join(os.path.dirname(__file__), "csrc", "beam_topk.cpp"))
+           os.path.join(os.path.dirname(__file__), "csrc", "beam_topk.cpp"),
+           os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cpp"))
 
 
 def _build_dir() -> str:
@@ -48,6 +49,7 @@ _loaded: bool | None = None  # None: not tried yet
 _varlen = None
 _prefix = None
 _topk = None  # torch.ops.xllm.topk_logsumexp, where this CPU has AVX512-BF16
+_decode = None  # torch.ops.xllm.decode_attention, likewise
 
 
 def _cpu_flags() -> str:
@@ -126,7 +128,7 @@ def _working_attention():
 
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix, _topk
+    global _loaded, _varlen, _prefix, _topk, _decode
     with _lock:
         if _loaded is None:
             try:
@@ -134,6 +136,7 @@ def available() -> bool:
                 _loaded = True
                 _varlen, _prefix = _working_attention()
                 _topk = getattr(torch.ops.xllm, "topk_logsumexp", None)
+                _decode = getattr(torch.ops.xllm, "decode_attention", None)
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
@@ -148,6 +151,11 @@ def varlen_attention():
 def topk_logsumexp():
     """A logits block's top k and log-sum-exp in two passes (csrc/beam_topk.cpp) once loaded, or None."""
     return _topk
+
+
+def decode_attention():
+    """A decode step's attention, every row in one call (csrc/decode_attention.cpp), or None."""
+    return _decode
 
 
 def prefix_attention():

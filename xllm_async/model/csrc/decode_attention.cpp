@@ -1,0 +1,159 @@
+// A decode step's attention in bfloat16 on CPU: one new query per row against its own slab of
+// the cache, every row in one call (model/attention.py Decode; built with cpu_kernels.cpp into
+// one library).
+//
+// Rows of a continuous batch have different lengths, and torch's fused kernel took a call per run
+// of equal lengths, ~28 us each (one row, 3 key heads of 64, 256 keys): with 8 clients, 8 calls a
+// layer, 240 a SmolLM2 step. Here each (row, key head) reads its keys once for all the query
+// heads that share it: dot products on AVX512-BF16 (two bfloat16 products into each float32
+// lane), softmax in float32, then the values weighted in float32. The few rows of a decode step
+// leave nothing worth tiling, so no packing: the keys are read where they lie.
+//
+// Each row is computed apart, so its result never depends on the rows beside it.
+//
+// Built only where the compiler targets AVX512-BF16; elsewhere the operator is absent and
+// attention.py keeps torch's kernel.
+
+#if defined(__AVX512BF16__)
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include "avx512_bf16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+constexpr int kMaxGroup = 8;    // query heads a key head may serve here
+constexpr int kMaxWidth = 256;  // head width
+
+inline __m512bh load_pairs(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+struct Step {
+  const bf16* q;
+  const bf16* keys;
+  const bf16* values;
+  bf16* out;
+  const int64_t* lengths;
+  int64_t q_row, q_head;          // q strides (row, head)
+  int64_t k_row, k_head;          // keys/values strides (row, key head); tokens are dim apart
+  int64_t v_row, v_head;
+  int64_t heads, kv_heads, dim;
+  float scale;
+};
+
+// One row and one key head: its `group` query heads against the row's first n keys.
+void attend_row(const Step& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+  const int64_t group = a.heads / a.kv_heads, dim = a.dim, n = a.lengths[row];
+  const int64_t chunks = dim / 32;  // 32 bfloat16 (16 pairs) a dot-product step
+  scores.resize(group * n);
+  const bf16* keys = a.keys + row * a.k_row + kv_head * a.k_head;
+  const bf16* values = a.values + row * a.v_row + kv_head * a.v_head;
+  __m512bh q[kMaxGroup][kMaxWidth / 32];
+  for (int64_t g = 0; g < group; ++g) {
+    const bf16* qg = a.q + row * a.q_row + (kv_head * group + g) * a.q_head;
+    for (int64_t c = 0; c < chunks; ++c) q[g][c] = load_pairs(qg + c * 32);
+  }
+  float peak[kMaxGroup];
+  std::fill(peak, peak + group, -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* kj = keys + j * dim;
+    __m512 acc[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512bh k = load_pairs(kj + c * 32);
+      for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], k, q[g][c]);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float s = _mm512_reduce_add_ps(acc[g]) * a.scale;
+      scores[g * n + j] = s;
+      peak[g] = std::max(peak[g], s);
+    }
+  }
+  float total[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(peak[g]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = xllm_simd::lanes(n - j);
+      __m512 e = _mm512_maskz_mov_ps(live, xllm_simd::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j), shift)));
+      _mm512_mask_storeu_ps(sg + j, live, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  const int64_t vectors = dim / 16;
+  __m512 out[kMaxGroup][kMaxWidth / 16];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < vectors; ++d) out[g][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* vj = values + j * dim;
+    for (int64_t d = 0; d < vectors; ++d) {
+      __m512 v = xllm_simd::load_bf16(vj + d * 16, 0xFFFF);
+      for (int64_t g = 0; g < group; ++g) out[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, out[g][d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    bf16* o = a.out + (row * a.heads + kv_head * group + g) * dim;
+    const __m512 inverse = _mm512_set1_ps(1.f / total[g]);
+    for (int64_t d = 0; d < vectors; ++d) xllm_simd::store_bf16(o + d * 16, _mm512_mul_ps(out[g][d], inverse), 0xFFFF);
+  }
+}
+
+// q [rows, heads, dim]; keys/values [rows.., kv_heads, capacity, dim] (a slab view: tokens dim
+// apart); lengths [rows] int64: the keys each row reads -> [rows, heads, dim].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& lengths, double scale) {
+  for (const at::Tensor* x : {&q, &keys, &values}) {
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kBFloat16, "q, keys and values must be bfloat16 CPU tensors");
+    TORCH_CHECK(x->stride(-1) == 1, "the last dimension must be contiguous");
+  }
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q [rows, heads, dim], keys/values [rows, kv_heads, capacity, dim]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(1);
+  TORCH_CHECK(keys.size(3) == dim && keys.stride(2) == dim && values.stride(2) == dim, "tokens must be dim apart");
+  TORCH_CHECK(dim % 32 == 0 && dim <= kMaxWidth, "head width must be a multiple of 32, at most 256");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "at most 8 query heads a key head");
+  TORCH_CHECK(keys.size(0) >= rows, "a slab per row");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == rows, "lengths: int64 [rows]");
+  const int64_t* n = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(n[r] > 0 && n[r] <= keys.size(2), "a row reads 1..capacity keys");
+  auto out = at::empty({rows, heads, dim}, q.options());
+  Step a{reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(keys.data_ptr()),
+         reinterpret_cast<const bf16*>(values.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), n,
+         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+         heads, kv_heads, dim, static_cast<float>(scale)};
+  const int64_t items = rows * kv_heads;
+  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; item += step) attend_row(a, item / kv_heads, item % kv_heads, scores);
+  };
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), items));
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    run(omp_get_thread_num(), items, omp_get_num_threads());
+  } else {
+    run(0, items, 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(xllm, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(xllm, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+#endif  // __AVX512BF16__
