@@ -134,20 +134,19 @@ class PackedPrefill:
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k.shape[1]
         kernel = cpu_kernels.varlen_attention()
+        self._store(layer, k, v)
         if kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _kernel_width(dim):
-            self._store(layer, k, v)
             return kernel(q, k, v, self.lengths, scale, self.last_only).view(-1, heads * dim)
         outs = []
         row = self.first_row
         for start, count, length in self.groups:
             end = start + count * length
-            kg = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
-            vg = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
-            if self.cache is not None:
-                keys, values = self.cache.keys(layer), self.cache.values(layer)
-                keys[row:row + count, :, :length] = kg
-                values[row:row + count, :, :length] = vg
-                kg, vg = keys[row:row + count, :, :length], values[row:row + count, :, :length]
+            if self.cache is not None:  # (attended where they were just stored)
+                kg = self.cache.keys(layer)[row:row + count, :, :length]
+                vg = self.cache.values(layer)[row:row + count, :, :length]
+            else:
+                kg = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+                vg = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
             qg = q[start:end].view(count, length, heads, dim)
             if self.last_only:  # (one query a sequence: a shape the kernel does not compile for)
                 out = F.scaled_dot_product_attention(qg[:, -1:].transpose(1, 2), kg, vg, scale=scale,

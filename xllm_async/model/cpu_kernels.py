@@ -1,8 +1,10 @@
 """Our fused bfloat16 CPU kernels (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm,
 rotary embedding (after Qwen3's per-head norm), SiLU x up. Each is one pass over memory where
 the eager code makes four to eight; a bfloat16 prefill spent half its time in such passes
-(perf/RESULTS.md, tenth session). On CPUs with AMX, also causal attention over a whole batch of
-packed prompts in one call (csrc/varlen_attention.cpp, eleventh session).
+(perf/RESULTS.md, tenth session). Since the eleventh: on CPUs with AMX, causal attention over a
+whole batch of packed prompts in one call and a beam round's prompt stage
+(csrc/varlen_attention.cpp); on CPUs with AVX512-BF16, a decode step's attention in one call
+(csrc/decode_attention.cpp) and a beam round's top k with its log-sum-exp (csrc/beam_topk.cpp).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -26,19 +28,16 @@ import torch
 
 log = logging.getLogger("xllm_async.cpu_kernels")
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-# Compiled into the same library: the prefill attention operators exist only on CPUs with AMX, the
-# beam top-k and decode attention only on CPUs with AVX512-BF16.
-SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "varlen_attention.cpp"),
-           os.path.join(os.path.dirname(__file__), "csrc", "beam_topk.cpp"),
-           os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cpp"))
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+# Every source there goes into the one library: the prefill attention operators exist only on CPUs
+# with AMX, the beam top-k and decode attention only on CPUs with AVX512-BF16.
+SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp")))
 
 
 def _build_dir() -> str:
     """Beside the source (a checkout); where the package cannot be written to, the user's cache."""
-    here = os.path.dirname(SOURCE)
-    if os.access(here, os.W_OK):
-        return os.path.join(here, "build")
+    if os.access(CSRC, os.W_OK):
+        return os.path.join(CSRC, "build")
     return os.path.join(os.path.expanduser("~"), ".cache", "xllm_async", "kernels")
 
 
@@ -66,9 +65,9 @@ def _cpu_flags() -> str:
 def library_path() -> str:
     """The library for this source, this torch and this CPU (built for its instruction set)."""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(os.path.dirname(SOURCE))):  # the sources and the header they share
+    for name in sorted(os.listdir(CSRC)):  # the sources and the headers they share
         if name.endswith((".cpp", ".h")):
-            with open(os.path.join(os.path.dirname(SOURCE), name), "rb") as f:
+            with open(os.path.join(CSRC, name), "rb") as f:
                 digest.update(f.read())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
@@ -98,7 +97,7 @@ def build() -> str:
     try:
         result = subprocess.run(_compile_command(partial), capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {' and '.join(SOURCES)} failed:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"compiling {CSRC}/*.cpp failed:\n{result.stderr[-2000:]}")
         os.replace(partial, path)
         for name in os.listdir(os.path.dirname(path)):  # builds of an older source or torch
             if name.startswith("cpu_kernels-") and name.endswith(".so") and name != os.path.basename(path):

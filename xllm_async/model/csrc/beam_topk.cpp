@@ -18,10 +18,10 @@
 #if defined(__AVX512BF16__)
 
 #include <ATen/ATen.h>
-#include <omp.h>
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -114,13 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logsumexp(const at::Tensor& 
     std::vector<Candidate> kept;
     for (int64_t r = begin; r < end; r += step) row_topk(x + r * stride, n, k, v + r * k, c + r * k, l + r, maxima, kept);
   };
-  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), rows));
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    run(omp_get_thread_num(), rows, omp_get_num_threads());
-  } else {
-    run(0, rows, 1);
-  }
+  xllm_parallel::interleaved_items(rows, run);
   return {values, columns, lse};
 }
 

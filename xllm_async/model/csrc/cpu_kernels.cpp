@@ -232,8 +232,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
           simd::store_bf16(o + half + i, _mm512_add_ps(simd::round_bf16(_mm512_mul_ps(second, c2)),
                                                        simd::round_bf16(_mm512_mul_ps(first, s2))), live);
         }
-        continue;
-#endif
+#else
         for (int64_t i = 0; i < half; ++i) {  // the first half turns with minus the second
           float v = to_float(in[i]), rotated = -to_float(in[i + half]);
           o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
@@ -242,6 +241,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
           float v = to_float(in[i]), rotated = to_float(in[i - half]);
           o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
         }
+#endif
       }
     }
   });

@@ -18,10 +18,10 @@
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
-#include <omp.h>
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -138,13 +138,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
     std::vector<float> scores;
     for (int64_t item = begin; item < end; item += step) attend_row(a, item / kv_heads, item % kv_heads, scores);
   };
-  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), items));
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    run(omp_get_thread_num(), items, omp_get_num_threads());
-  } else {
-    run(0, items, 1);
-  }
+  xllm_parallel::interleaved_items(items, run);
   return out;
 }
 

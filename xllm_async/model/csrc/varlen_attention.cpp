@@ -23,10 +23,10 @@
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
-#include <omp.h>
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
+#include "parallel.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -385,13 +385,7 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
       attend_one(a, s, starts[seq], n, head, last_only ? n - 1 : 0, last_only ? seq : starts[seq]);
     }
   };
-  int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), items));
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    run(omp_get_thread_num(), items, omp_get_num_threads());  // interleaved: long and short prompts mix
-  } else {
-    run(0, items, 1);
-  }
+  xllm_parallel::interleaved_items(items, run);
   return out;
 }
 
@@ -438,13 +432,7 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
       });
     }
   };
-  int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), kv_heads));
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    run(omp_get_thread_num(), kv_heads, omp_get_num_threads());
-  } else {
-    run(0, kv_heads, 1);
-  }
+  xllm_parallel::interleaved_items(kv_heads, run);
   return {out, lse};
 }
 

@@ -1,0 +1,28 @@
+// Work items over the calling thread's OpenMP threads (as many as torch.set_num_threads gave that
+// execution slot), for the attention and beam kernels.
+
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace xllm_parallel {
+
+// Items [0, n) interleaved over the threads: body(first, n, step) runs once per thread, on items
+// first, first + step, ... (so it can keep scratch for all of them), and neighbouring items, a
+// long prompt and a short one, land on different threads. One thread, or already inside a
+// parallel region: body(0, n, 1) here.
+template <typename Body>
+void interleaved_items(int64_t n, const Body& body) {
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n));
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    body(omp_get_thread_num(), n, omp_get_num_threads());
+  } else {
+    body(0, n, 1);
+  }
+}
+
+}  // namespace xllm_parallel
