@@ -7,22 +7,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from xllm_async.config import Settings
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.fixed_steps import FixedStepsBatcher
+from xllm_async.engine.fixed_steps import FILL_RETURNS, RETURN_WITHIN, FixedStepsBatcher
 from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.metrics import Metrics
+from xllm_async.runtime.model_runner import ModelRunner
+from xllm_async.service import Service
+
+from .client import post
 
 
 class HeldSlot:
-    """A slot that keeps every job it is given (so it stays busy) and records its batch."""
+    """A slot that keeps every job it is given (so it stays busy) and records its batch.
+    wide: a CPU slot that takes every core while the others are idle (StreamBinding.can_widen)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, wide: bool = False) -> None:
         self.index = index
+        self.binding = SimpleNamespace(can_widen=wide)
         self.batches: list[list] = []
 
     def submit(self, job) -> None:
@@ -81,10 +91,10 @@ class ManualClock:
 
 
 @contextlib.asynccontextmanager
-async def running_batcher(num_slots: int, lag: float = 0.0, metrics=None):
+async def running_batcher(num_slots: int, lag: float = 0.0, metrics=None, wide: bool = False):
     """A running batcher over slots that never finish on their own, on a manual clock:
-    (batcher, slots, clock)."""
-    slots = [HeldSlot(i) for i in range(num_slots)]
+    (batcher, slots, clock). wide: slot 0 takes every core while alone, as on a CPU."""
+    slots = [HeldSlot(i, wide and i == 0) for i in range(num_slots)]
     clock = ManualClock(asyncio.get_running_loop(), lag)
     batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None, clock, metrics)
     batcher.start()
@@ -307,3 +317,147 @@ async def test_clients_that_come_back_at_once_are_still_waited_for(two_slots):
     finished_elsewhere(batcher, 3, 0.010)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # this one waits for company
+
+
+async def test_clients_who_never_come_back_do_not_hide_a_closed_loop(two_slots):
+    # A benchmark's warm-up ends with 16 answered clients who never send again. Then a closed
+    # loop: batches of 2 every 10 ms, their clients back within half a millisecond. Counted
+    # oldest batch first, every arrival paid for the warm-up's clients and looked 8 batches late.
+    batcher, slots, clock = two_slots
+    finished_elsewhere(batcher, 16, 0.010)
+    for _ in range(16):
+        finished_elsewhere(batcher, 2, 0.010)
+        clock.advance(0.0005)
+        batcher._repay(2)
+        clock.advance(0.0095)
+    assert batcher._return_delay < 0.010 * RETURN_WITHIN
+    assert batcher._returning == 0  # the warm-up's clients are no longer counted on
+
+
+@pytest.fixture
+async def wide_slot():
+    async with running_batcher(2, wide=True) as running:
+        yield running
+
+
+async def test_nothing_starts_beside_a_short_batch_on_every_core(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher.add([request()])  # alone on an idle server: slot 0 takes every core
+    assert batcher._wide == 0
+    batcher.add([request(), request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1]  # slot 1 stays idle...
+    assert len(batcher.waiting) == 2  # ...and they wait for slot 0
+
+
+async def test_beside_a_long_generation_a_free_slot_starts_as_before(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher.add([request(max_tokens=500)])  # long: decode-bound, shares its cores from its next step
+    assert batcher._wide is None
+    batcher.add([request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]
+
+
+async def test_after_a_wide_batch_its_own_thread_takes_what_waited(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher._return_delay = 0.010  # requests arrive on their own: a prefill after an answer
+    batcher.add([request()])
+    batcher.add([request(), request()])
+    following = batcher._follow_on(prefill_seconds=0.010)  # what slot 0's thread does at its end
+    assert len(following) == 2 and not batcher.waiting
+    batcher._followed(slots[0], 1, 0.010, following)
+    assert batcher._wide == 0 and batcher._running[0] == (2, 1)  # still alone on every core
+    batcher.add([request()])
+    assert len(await started(batcher, slots)) == 1 and len(batcher.waiting) == 1  # waits for it again
+    batcher._release(slots[0], 2, 0.010)  # nothing was waiting when it ended: the loop starts the rest
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]
+    assert batcher._wide == 0
+
+
+async def test_in_a_closed_loop_a_wide_batch_hands_back_so_the_next_one_fills(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher._return_delay = 0.0005  # clients back within a twentieth of a prefill
+    batcher.add([request()])  # client A's request runs on every core...
+    batcher.add([request()])  # ...while client B's waits
+    assert batcher._follow_on(prefill_seconds=0.010) == []  # not taken on the thread...
+    batcher._release(slots[0], 1, 0.010)
+    assert len(await started(batcher, slots)) == 1  # ...B waits for A's next request...
+    batcher.add([request()])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 2]  # ...and they run together
+
+
+async def test_a_long_generation_at_the_front_goes_back_to_the_loop(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher._return_delay = 0.010
+    batcher.add([request()])
+    batcher.add([request(max_tokens=500), request()])
+    assert batcher._follow_on(prefill_seconds=0.010) == []
+    assert len(batcher.waiting) == 2
+
+
+async def test_a_wait_for_company_lasts_a_few_return_delays_at_most(one_slot):
+    batcher, slots, clock = one_slot
+    batcher._return_delay = 0.002
+    batcher.add([request()])
+    batcher._release(slots[0], 16, 0.100)  # 16 clients on their way, usually back within 2 ms
+    batcher.add([request()])
+    clock.advance(FILL_RETURNS * 0.002 - 0.001)
+    assert len(await started(batcher, slots)) == 1  # still waiting...
+    clock.advance(0.002)
+    assert len(await started(batcher, slots)) == 2  # ...not a whole 100 ms prefill
+
+
+async def test_requests_that_fill_a_batch_wait_for_nobody(one_slot):
+    batcher, slots, clock = one_slot
+    batcher.add([request()])
+    batcher._release(slots[0], 16, 10.0)  # 16 clients on their way
+    batcher.add([request(prompt_len=5000), request(prompt_len=5000)])  # over the 8,192-token budget
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # the first goes at once
+
+
+GATE = 4243  # a prompt holding this token id waits in its prefill until the test opens the gate
+
+
+class GatedRunner(ModelRunner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def prefill(self, prompts, capacity=0, into=None):
+        if any(GATE in p for p in prompts):
+            self.entered.set()
+            self.gate.wait(120)
+        return super().prefill(prompts, capacity, into)
+
+
+async def test_served_requests_wait_for_the_wide_batch_and_follow_it_on_its_thread(tiny_model_dir):
+    """Through the real server and slot threads: while a short batch runs alone on every core,
+    requests that arrive on their own wait for it, and its thread runs them next, in one batch."""
+    settings = Settings(model=tiny_model_dir, port=0, scheduler="fixed_steps", concurrent_execute_stream_num=2,
+                        access_log="off")
+    runner = GatedRunner(tiny_model_dir, torch.device("cpu"))
+    service = Service(settings, runner=runner)
+    await service.start()
+    port, slots, batcher = service.http.port, service.slots, service.engine.scheduler
+    binding = slots[0].binding
+    binding.all_threads = max(binding.all_threads, binding.cpu_threads + 1)  # on a 1-core machine too
+    batcher._return_delay = 3600.0  # requests arrive on their own (open loop)
+    body = {"max_tokens": 1}
+    try:
+        first = asyncio.create_task(asyncio.to_thread(post, port, "/v1/completions", {**body, "prompt": [1, GATE, 3]}))
+        assert await asyncio.to_thread(runner.entered.wait, 120)
+        runs_before = [slot.batches_run for slot in slots]
+        others = [asyncio.create_task(asyncio.to_thread(post, port, "/v1/completions", {**body, "prompt": [1, 2, n]}))
+                  for n in (5, 6)]
+        for _ in range(12000):  # until both wait: bounded, never timed
+            if len(batcher.waiting) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(batcher.waiting) == 2 and batcher._wide == 0
+        runner.gate.set()
+        results = await asyncio.gather(first, *others)
+        assert all(status == 200 and answer["usage"]["completion_tokens"] == 1 for status, answer, _ in results)
+        assert [slot.batches_run - before for slot, before in zip(slots, runs_before)] == [2, 0]
+        assert service.engine.unfinished == set()
+    finally:
+        runner.gate.set()
+        await service.shutdown()

@@ -331,7 +331,9 @@ def test_a_request_that_reaches_a_draining_server_is_served_and_closes_its_conne
     late.request("GET", "/health")  # open before the drain, kept alive
     assert late.getresponse().read() == b""
     with server.hold("prefill"):  # keeps the drain going until the late request is in
-        held = pool.submit(post, server.port, "/v1/completions", HOLDER)
+        # A generation longer than a short batch: the late request starts beside it on slot 1, where
+        # the hold sees it (beside a short one on every core, it would wait in the queue, unseen).
+        held = pool.submit(post, server.port, "/v1/completions", {**HOLDER, "max_tokens": 8})
         admitted(server, 1)
         server.proc.terminate()
         wait_until(lambda: _try_health(server.port) is None, what="the listener closed")

@@ -54,8 +54,7 @@ class BatchBudget:
             tokens_if_taken = tokens + req.prefill_tokens
             need = req.cache_tokens
             row_tokens_if_taken = max(row_tokens, need)
-            over = (seqs_if_taken > self.max_seqs
-                    or (tokens_if_taken if self.packed else longest_if_taken * seqs_if_taken) > self.max_tokens
+            over = (self._over(seqs_if_taken, tokens_if_taken, longest_if_taken)
                     or (self.kv_tokens and row_tokens_if_taken and (rows + 1) * row_tokens_if_taken > self.kv_tokens))
             if over and (batch or seqs_in_use):
                 break
@@ -63,3 +62,18 @@ class BatchBudget:
             longest, seqs, tokens = longest_if_taken, seqs_if_taken, tokens_if_taken
             rows, row_tokens = rows + 1, row_tokens_if_taken
         return batch
+
+    def filled_by(self, waiting: deque) -> bool:
+        """Whether the waiting requests fill a batch already: more arrivals could not join it."""
+        seqs = tokens = longest = 0
+        for req in waiting:
+            seqs += req.num_seqs
+            tokens += req.prefill_tokens
+            longest = max(longest, len(req.prompt_ids))
+            if self._over(seqs, tokens, longest):
+                return True
+        return False
+
+    def _over(self, seqs: int, tokens: int, longest: int) -> bool:
+        """Whether a batch of this many sequences and prompt tokens is over the budgets."""
+        return seqs > self.max_seqs or (tokens if self.packed else longest * seqs) > self.max_tokens

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,9 +20,13 @@ from .request import EngineRequest, QueuedRequest
 log = logging.getLogger("xllm_async.scheduler")
 # A batch waits for company only while finished batches' clients have been back within this
 # share of a prefill, on average (RETURN_DELAY_WEIGHT: the weight of the latest batch in it).
-RETURN_WITHIN = 0.5
+# Measured here: clients in a closed loop are back within 0.02-0.1 of a prefill, arrivals of their
+# own (open loop) come about one prefill later; at 0.5, open-loop bursts passed for clients.
+RETURN_WITHIN = 0.2
 RETURN_DELAY_WEIGHT = 0.25
+FILL_RETURNS = 4  # a wait for company lasts at most this many average return delays (and a prefill)
 MAX_OWED = 64  # finished batches whose clients are tracked
+OWED_FOR = 2.0  # prefills: clients of a batch not back after this long are not counted on any more
 SHORT_BATCH_STEPS = 4  # a batch of at most this many tokens per sequence is prefill-bound: short
 
 
@@ -36,6 +41,11 @@ class FixedStepsBatcher:
     free and there is nothing to wait for, add() starts the batch itself. The
     slot thread runs prefill and every decode round, delivering each step's
     tokens as they exist, then frees itself.
+
+    A short batch that runs alone on a CPU takes every core (StreamBinding.share_cores), and
+    nothing starts beside it: requests that arrive meanwhile wait for it, as they would for the
+    continuous scheduler's next step, and its slot's thread takes them itself when it ends
+    (_follow_on), or, in a closed loop, hands back to the loop so that the batch fills first.
 
     Long generations do not make new requests wait for a whole batch: while
     every slot is busy, generation requests that arrive join a running
@@ -73,6 +83,11 @@ class FixedStepsBatcher:
         self._idle: list = list(reversed(slots))
         self._num_slots = len(slots)
         self._filling = False  # _run holds a slot while its batch fills
+        # The slot running a short batch on every core (None: none is): requests that arrive meanwhile
+        # wait for it and it takes them itself when it ends (_follow_on), instead of a batch beside it.
+        self._wide: int | None = None
+        # `waiting` is popped by the loop and, after a wide batch, by that slot's thread.
+        self._take_lock = threading.Lock()
         self._task: asyncio.Task | None = None
         # slot index -> requests handed to its running long generation batch: the loop appends,
         # only that slot's thread pops (at a step boundary), and _release puts what is left back.
@@ -96,7 +111,9 @@ class FixedStepsBatcher:
         # A free slot with nothing worth waiting for starts the batch right here,
         # not one loop iteration later in _run: that hop is tens of microseconds
         # on a lone request's latency.
-        if self._idle and not self._filling and not self._worth_filling(self.busy_slots):
+        if self._wide is not None:
+            pass  # the slot on every core takes them when its batch ends
+        elif self._idle and not self._filling and not self._worth_filling(self.busy_slots):
             self._start(self._take_idle())
         elif not self._idle and not self._filling and self._joining:
             self._join()
@@ -104,18 +121,32 @@ class FixedStepsBatcher:
             self._arrived.set()
 
     def _repay(self, arrived: int) -> None:
-        """Count arrivals as the clients of finished batches coming back, oldest batch first;
-        a batch whose clients are all back adds how long that took to the running average."""
-        self._returning = max(0, self._returning - arrived)
+        """Count arrivals as the clients of finished batches coming back, the latest batch first;
+        a batch whose clients are all back adds how long that took to the running average.
+
+        Latest first: clients who never come back (a benchmark's warm-up, a client that left)
+        stay at the bottom until they are too old to count (_forget_stale). Oldest first, every
+        later arrival paid for them and looked a whole batch late, closed loop or not."""
         now = self._loop.time()
+        self._forget_stale(now)
+        self._returning = max(0, self._returning - arrived)
         while arrived and self._owed:
-            entry = self._owed[0]
+            entry = self._owed[-1]
             back = min(arrived, entry[1])
             entry[1] -= back
             arrived -= back
             if not entry[1]:
-                self._owed.popleft()
+                self._owed.pop()
                 self._returned_after(now - entry[0])
+
+    def _forget_stale(self, now: float) -> None:
+        """Batches whose clients are not all back OWED_FOR prefills after it ended: they are not
+        coming (or come on their own); the wait so far goes into the average."""
+        horizon = self._last_batch[1] * OWED_FOR
+        while self._owed and (now - self._owed[0][0] > horizon or len(self._owed) > MAX_OWED):
+            released_at, never = self._owed.popleft()
+            self._returning -= never
+            self._returned_after(now - released_at)
 
     def _returned_after(self, seconds: float) -> None:
         """A finished batch's clients took this long to be back: into the running average."""
@@ -125,9 +156,10 @@ class FixedStepsBatcher:
         """Every slot is busy: hand the generation requests at the front of the queue to the
         running long generation batch with the fewest sequences (it prefills them at its next
         step). A beam search at the front stops the hand-over: it waits for a slot of its own."""
-        while self.waiting and isinstance(self.waiting[0], EngineRequest):
-            slot_index = min(self._joining, key=lambda i: self._running[i][0] + len(self._joining[i]))
-            self._joining[slot_index].append(self.waiting.popleft())
+        with self._take_lock:
+            while self.waiting and isinstance(self.waiting[0], EngineRequest):
+                slot_index = min(self._joining, key=lambda i: self._running[i][0] + len(self._joining[i]))
+                self._joining[slot_index].append(self.waiting.popleft())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -135,7 +167,7 @@ class FixedStepsBatcher:
 
     async def _run(self) -> None:
         while True:
-            while not (self.waiting and self._idle):
+            while not (self.waiting and self._idle) or self._wide is not None:
                 self._arrived.clear()
                 await self._arrived.wait()
             slot = self._take_idle()
@@ -156,15 +188,24 @@ class FixedStepsBatcher:
 
     def _start(self, slot) -> None:
         """Take the next batch off the queue and hand it to this slot."""
-        batch = self.budget.take(self.waiting, limit=self._fair_share())
+        alone = not self._running
+        with self._take_lock:
+            batch = self.budget.take(self.waiting, limit=self._fair_share())
         if not batch:  # everything that waited was aborted
             self._idle.append(slot)
             return
+        wide = self._mark_running(slot, batch, alone)
+        slot.submit(functools.partial(self._run_to_completion, slot, batch, wide))
+
+    def _mark_running(self, slot, batch: list, alone: bool) -> bool:
+        """Record the batch a slot now runs; returns whether it runs short on every core (wide)."""
         steps = max(r.max_steps for r in batch)
         self._running[slot.index] = (len(batch), steps)
         if steps > SHORT_BATCH_STEPS and isinstance(batch[0], EngineRequest):
             self._joining[slot.index] = deque()
-        slot.submit(functools.partial(self._run_to_completion, slot, batch))
+        wide = alone and steps <= SHORT_BATCH_STEPS and slot.binding.can_widen
+        self._wide = slot.index if wide else None
+        return wide
 
     def _worth_filling(self, others_busy: int) -> bool:
         """Whether a batch about to start should wait for company (see _fill)."""
@@ -185,7 +226,7 @@ class FixedStepsBatcher:
             expected = self._last_batch[0] + self._waited_at_release
         else:
             return False
-        return len(self.waiting) < min(expected, self.budget.max_seqs)
+        return len(self.waiting) < min(expected, self.budget.max_seqs) and not self.budget.filled_by(self.waiting)
 
     async def _fill(self) -> None:
         """Let a batch fill up before it starts, when that is likely to pay.
@@ -225,7 +266,10 @@ class FixedStepsBatcher:
             expired = True
             self._arrived.set()
 
-        timer = self._loop.call_at(start + self._last_batch[1], expire)
+        longest = self._last_batch[1]
+        if self._return_delay:
+            longest = min(longest, FILL_RETURNS * self._return_delay)
+        timer = self._loop.call_at(start + longest, expire)
         began = time.perf_counter()
         try:
             while not expired and self._still_worth_filling(others_busy):
@@ -260,34 +304,78 @@ class FixedStepsBatcher:
         return -(-in_server // self._num_slots)  # ceil
 
     def _release(self, slot, size: int, prefill_seconds: float) -> None:
+        self._finished(slot, size, prefill_seconds)
+        self._waited_at_release = self._drop_aborted()
+        self._idle.append(slot)
+        self._arrived.set()
+
+    def _followed(self, slot, size: int, prefill_seconds: float, batch: list) -> None:
+        """A wide batch ended and its slot went on with the next one (_follow_on)."""
+        self._finished(slot, size, prefill_seconds)
+        self._mark_running(slot, batch, alone=True)
+        self._arrived.set()
+
+    def _finished(self, slot, size: int, prefill_seconds: float) -> None:
+        """The bookkeeping of a batch that ended: its clients are on their way back."""
         self._running.pop(slot.index, None)
+        if self._wide == slot.index:
+            self._wide = None
         left = self._joining.pop(slot.index, None)
         if left:  # handed over too late for the batch that ended: first in line again
-            self.waiting.extendleft(reversed(left))
+            with self._take_lock:
+                self.waiting.extendleft(reversed(left))
         self._last_batch = (size, prefill_seconds)
         self._returning += size
         self._released_at = self._loop.time()
         self._owed.append([self._released_at, size])
-        if len(self._owed) > MAX_OWED:  # clients that never came back: count the wait so far
-            released_at, never = self._owed.popleft()
-            self._returning -= never
-            self._returned_after(self._released_at - released_at)
-        self._waited_at_release = self._drop_aborted()
-        self._idle.append(slot)
-        self._arrived.set()
+        self._forget_stale(self._released_at)
 
     def _drop_aborted(self) -> int:
         """Take requests that were answered while they waited (timed out, client gone) off the
         queue now, not at the next take(): a batch may wait for company first, and meanwhile they
         would count against the queue limit. Returns how many live requests wait."""
-        live = [req for req in self.waiting if not req.aborted]
-        if len(live) != len(self.waiting):
-            self.waiting.clear()
-            self.waiting.extend(live)
+        with self._take_lock:
+            live = [req for req in self.waiting if not req.aborted]
+            if len(live) != len(self.waiting):
+                self.waiting.clear()
+                self.waiting.extend(live)
         return len(live)
 
-    def _run_to_completion(self, slot, requests: list[QueuedRequest]) -> None:
-        """On the slot's thread: prefill, then decode rounds until every sequence is done."""
+    def _run_to_completion(self, slot, requests: list[QueuedRequest], wide: bool = False) -> None:
+        """On the slot's thread: run the batch; after a wide one, the batches that waited for it."""
+        while True:
+            prefill_seconds = self._run_batch(slot, requests)
+            following = self._follow_on(prefill_seconds) if wide else []
+            if not following:
+                self._loop.call_soon_threadsafe(self._release, slot, len(requests), prefill_seconds)
+                return
+            self._loop.call_soon_threadsafe(self._followed, slot, len(requests), prefill_seconds, following)
+            requests = following
+            wide = max(r.max_steps for r in following) <= SHORT_BATCH_STEPS
+
+    def _follow_on(self, prefill_seconds) -> list[QueuedRequest]:
+        """On the slot's thread, after a short batch on every core: the next batch, taken here.
+
+        While a short batch runs on every core, a batch started beside it would share the cores
+        with it (one thread each, or three threads on two cores): both take about as long as the
+        two in turn, so the first answer comes later and the second no sooner (perf/RESULTS.md).
+        So arrivals wait for it, as the continuous scheduler's next step would, and this thread
+        takes them at once, without a round trip through the event loop. A long generation at the
+        front goes back to the loop, which runs it where others can join it.
+        """
+        if self._return_delay <= prefill_seconds * RETURN_WITHIN:
+            return []  # clients come back at once (closed loop): the loop lets the batch fill first
+        with self._take_lock:
+            if not self.waiting:
+                return []
+            first = self.waiting[0]
+            if isinstance(first, EngineRequest) and first.max_steps > SHORT_BATCH_STEPS:
+                return []
+            return self.budget.take(self.waiting)
+
+    def _run_batch(self, slot, requests: list[QueuedRequest]) -> float:
+        """On the slot's thread: prefill, then decode rounds until every sequence is done;
+        returns the prefill's seconds."""
         batch = None
         started = time.perf_counter()
         prefill_seconds = 0.0
@@ -300,9 +388,9 @@ class FixedStepsBatcher:
             binding.share_cores(self.busy_slots == 1)
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
-            joining = self._joining.get(slot.index)
             while batch:
                 binding.share_cores(self.busy_slots == 1)
+                joining = self._joining.get(slot.index)
                 if joining:
                     new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
                     if new:
@@ -318,4 +406,4 @@ class FixedStepsBatcher:
         finally:
             slot.busy_seconds += time.perf_counter() - started
             slot.batches_run += 1
-            self._loop.call_soon_threadsafe(self._release, slot, len(requests), prefill_seconds)
+        return prefill_seconds

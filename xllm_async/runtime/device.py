@@ -87,6 +87,12 @@ class StreamBinding:
         self._threads = cpu_threads
         self._stack = contextlib.ExitStack()
 
+    @property
+    def can_widen(self) -> bool:
+        """Whether this slot takes more cores while the others are idle (share_cores): a CPU slot
+        whose all_threads exceed its share."""
+        return self.stream is None and self.device.type == "cpu" and self.all_threads > self.cpu_threads
+
     def share_cores(self, alone: bool) -> None:
         """On CPU, before a forward: every core while the other slots are idle, else its share.
         A lone request on fixed_steps N=2 otherwise decodes on one of two cores (SmolLM2: 19
