@@ -383,8 +383,9 @@ def make_setup(args: argparse.Namespace) -> Setup:
     table_path, items = write_table(args, tokenizer)
     widest = max([*args.widths, args.throughput_width, *([args.widest_width] if args.widest else [])])
     longest = max(args.prompt_tokens, args.widest_prompt_tokens if args.widest else 0) + args.rounds
-    server_args = [*([f"@{args.checkout}"] if args.checkout else []), "--dtype", args.dtype, "--scheduler", "fixed_steps", "--concurrent-execute-stream-num",
-                   str(args.ours_streams), "--max-beam-width", str(widest), "--max-num-return-sequences", str(widest),
+    server_args = [*([f"@{args.checkout}"] if args.checkout else []), "--dtype", args.dtype,
+                   "--scheduler", "fixed_steps", "--concurrent-execute-stream-num", str(args.ours_streams),
+                   "--max-beam-width", str(widest), "--max-num-return-sequences", str(widest),
                    "--max-model-len", str(longest), *args.server_arg]
     return Setup(model, tokenizer, table_path, items, server_args)
 

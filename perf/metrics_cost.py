@@ -106,8 +106,7 @@ def main() -> None:
         for name, fn in impls.items():
             results[name].append(time_per_call(fn, args.requests))
     print(f"CPU: {cpu_model()}; Python {platform.python_version()}; {args.requests} requests x {args.rounds} rounds")
-    print("| metrics | us per request (8 updates), median | rounds | share of a {:.0f} us request |".format(
-        args.request_us))
+    print(f"| metrics | us per request (8 updates), median | rounds | share of a {args.request_us:.0f} us request |")
     print("|---|---|---|---|")
     for name, values in results.items():
         med = statistics.median(values)
