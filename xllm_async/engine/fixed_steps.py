@@ -111,12 +111,12 @@ class FixedStepsBatcher:
         # A free slot with nothing worth waiting for starts the batch right here,
         # not one loop iteration later in _run: that hop is tens of microseconds
         # on a lone request's latency.
-        if self._wide is not None:
-            pass  # the slot on every core takes them when its batch ends
-        elif self._idle and not self._filling and not self._worth_filling(self.busy_slots):
-            self._start(self._take_idle())
-        elif not self._idle and not self._filling and self._joining:
-            self._join()
+        # (While a short batch runs on every core, the slot takes them itself when it ends.)
+        if self._wide is None and not self._filling:
+            if self._idle and not self._worth_filling(self.busy_slots):
+                self._start(self._take_idle())
+            elif not self._idle and self._joining:
+                self._join()
         if self.waiting:
             self._arrived.set()
 
@@ -199,11 +199,11 @@ class FixedStepsBatcher:
 
     def _mark_running(self, slot, batch: list, alone: bool) -> bool:
         """Record the batch a slot now runs; returns whether it runs short on every core (wide)."""
-        steps = max(r.max_steps for r in batch)
-        self._running[slot.index] = (len(batch), steps)
-        if steps > SHORT_BATCH_STEPS and isinstance(batch[0], EngineRequest):
+        self._running[slot.index] = (len(batch), max(r.max_steps for r in batch))
+        short = _short(batch)
+        if not short and isinstance(batch[0], EngineRequest):
             self._joining[slot.index] = deque()
-        wide = alone and steps <= SHORT_BATCH_STEPS and slot.binding.can_widen
+        wide = alone and short and slot.binding.can_widen
         self._wide = slot.index if wide else None
         return wide
 
@@ -341,7 +341,7 @@ class FixedStepsBatcher:
                 self.waiting.extend(live)
         return len(live)
 
-    def _run_to_completion(self, slot, requests: list[QueuedRequest], wide: bool = False) -> None:
+    def _run_to_completion(self, slot, requests: list[QueuedRequest], wide: bool) -> None:
         """On the slot's thread: run the batch; after a wide one, the batches that waited for it."""
         while True:
             prefill_seconds = self._run_batch(slot, requests)
@@ -351,7 +351,7 @@ class FixedStepsBatcher:
                 return
             self._loop.call_soon_threadsafe(self._followed, slot, len(requests), prefill_seconds, following)
             requests = following
-            wide = max(r.max_steps for r in following) <= SHORT_BATCH_STEPS
+            wide = _short(following)
 
     def _follow_on(self, prefill_seconds) -> list[QueuedRequest]:
         """On the slot's thread, after a short batch on every core: the next batch, taken here.
@@ -407,3 +407,8 @@ class FixedStepsBatcher:
             slot.busy_seconds += time.perf_counter() - started
             slot.batches_run += 1
         return prefill_seconds
+
+
+def _short(batch: list) -> bool:
+    """A prefill-bound batch: at most SHORT_BATCH_STEPS tokens a sequence."""
+    return max(r.max_steps for r in batch) <= SHORT_BATCH_STEPS

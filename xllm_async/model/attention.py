@@ -184,11 +184,7 @@ class Decode:
         self.rows = cache.rows
         self.positions = cache.lengths[:self.rows].clone()
         self.reads = self.positions + 1  # keys each row reads, its new one included
-        # Runs of rows of equal length (first row, count, keys to read): one attention call each,
-        # over exactly the keys of those rows. Never one call over the batch's longest row with
-        # the rest masked: the fused kernel blocks its keys by their number, so a row's sums (and
-        # in bfloat16 its greedy tokens) would depend on the rows beside it.
-        self.runs = _equal_runs([n + 1 for n in self.positions.tolist()])
+        self.runs = None  # for torch's kernel only, found at its first layer (_runs)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         rows, heads, dim = q.shape
@@ -209,9 +205,18 @@ class Decode:
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
         outs = [F.scaled_dot_product_attention(qg[first:first + count], keys[first:first + count, :, :span],
                                                values[first:first + count, :, :span], scale=scale)
-                for first, count, span in self.runs]
+                for first, count, span in self._runs()]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(rows, heads * dim)
+
+    def _runs(self) -> list[tuple[int, int, int]]:
+        """Runs of rows of equal length (first row, count, keys to read): one call of torch's kernel
+        each, over exactly the keys of those rows. Never one call over the batch's longest row with
+        the rest masked: that kernel blocks its keys by their number, so a row's sums (and in
+        bfloat16 its greedy tokens) would depend on the rows beside it."""
+        if self.runs is None:
+            self.runs = _equal_runs(self.reads.tolist())
+        return self.runs
 
 
 class BeamDecode:

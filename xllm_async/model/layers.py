@@ -75,13 +75,16 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def rows_padded(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, ...] with zero rows added up to padded_rows(rows) (x itself where none are)."""
     rows = x.shape[0]
     padded = padded_rows(rows)
-    if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    out = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, padded - rows)), packed, bias, "none", [], "")
-    return out[:rows]
+    return x if padded == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, padded - rows))
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.ops.mkldnn._linear_pointwise(rows_padded(x), packed, bias, "none", [], "")
+    return out if out.shape[0] == x.shape[0] else out[:x.shape[0]]
 
 
 def onednn_packing_helps(device: torch.device, dtype: torch.dtype) -> bool:

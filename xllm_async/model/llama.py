@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary, onednn_linear, padded_rows
+from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary, onednn_linear, rows_padded
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
         if self.pad_rows:
             # oneDNN compiles a kernel per number of rows (layers.padded_rows): the rows go through
             # the layers padded to one of a few sizes, and only attention sees the real ones.
-            tokens = F.pad(tokens, (0, padded_rows(rows) - rows))
+            tokens = rows_padded(tokens)
         x = self.embed(tokens)
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype, self.fused)
         last = self.layers[-1]
@@ -163,10 +163,10 @@ class CausalLM(nn.Module):
         else:
             weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
         rows = hidden.shape[0]
-        if self.pad_rows and padded_rows(rows) != rows:
+        if self.pad_rows:
             # A beam round's rows (its live beams) take any number, and oneDNN compiles a matmul
             # kernel per number of rows: padded like the layers' rows, they meet the same few sizes.
-            hidden = F.pad(hidden, (0, 0, 0, padded_rows(rows) - rows))
+            hidden = rows_padded(hidden)
         logits = torch.matmul(hidden, weight.t())[:rows]
         return logits.float() if as_float else logits
 
