@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from xllm_async.engine.beam import BeamRequest, BeamSearchBatch
 from xllm_async.engine.budget import BatchBudget
@@ -186,18 +187,53 @@ def test_families_we_run_and_those_left_to_transformers():
     assert "yarn" in (ModelShape(scaled).unsupported() or "yarn")
 
 
-def test_onednn_packed_linears_compute_what_plain_ones_do():
-    from xllm_async.model.layers import Linear, onednn_packing_helps, pack_for_onednn
+def _packings() -> list[str]:
+    """The packed linears this machine can run: "amx" only where our kernel loaded and works."""
+    from xllm_async.model import cpu_kernels
 
-    if not onednn_packing_helps(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("no oneDNN linear in this torch build")
+    kinds = ["amx"] if cpu_kernels.amx_linear_works() else []
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        kinds.append("onednn")
+    return kinds
+
+
+@pytest.mark.parametrize("kind", ["amx", "onednn"])
+def test_packed_linears_compute_what_plain_ones_do(kind):
+    """Every row count (a block of 32 rows and its tail), a last column block part padding, a bias,
+    rows in three dimensions: within bfloat16 rounding of the plain layer's float32 product."""
+    from xllm_async.model.layers import Linear, pack_linears
+
+    if kind not in _packings():
+        pytest.skip(f"no {kind} linear on this machine")
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
-    x = torch.randn(5, 64).bfloat16()
     with torch.inference_mode():
-        plain = layer(x).float()
-        assert pack_for_onednn(layer) == 1 and layer.weight is None
-        torch.testing.assert_close(layer(x).float(), plain, atol=0.05, rtol=0.02)
+        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 5, 32, 33, 100)]
+        plain = [F.linear(x.float(), layer.weight.float(), layer.bias.float()) for x in inputs]
+        assert pack_linears(layer, kind) == 1 and layer.weight is None
+        for x, want in zip(inputs, plain):
+            torch.testing.assert_close(layer(x).float(), want, atol=0.05, rtol=0.02)
+        x = torch.randn(2, 3, 64).bfloat16()
+        assert torch.equal(layer(x), layer(x.view(6, 64)).view(2, 3, 96))
+
+
+def test_amx_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(tiny_model_dir):
+    """A beam round walks the vocabulary in blocks of columns: from a 64-column boundary the packed
+    head serves them; elsewhere the plain head does. Either way they are the whole logits' columns."""
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    if "amx" not in _packings():
+        pytest.skip("no AMX linear on this machine")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    assert runner.model.packed_lm_head.kind == "amx"
+    hidden = torch.randn(7, runner.model.shape.hidden).bfloat16()
+    with torch.inference_mode():
+        whole = runner.logits(hidden, as_float=False)
+        vocab = whole.shape[1]
+        for start, end in [(0, 64), (128, 1000), (64 * (vocab // 64), vocab)]:
+            assert torch.equal(runner.logits(hidden, as_float=False, columns=(start, end)), whole[:, start:end])
+        odd = runner.logits(hidden, as_float=False, columns=(5, 300))  # not a block's start: plain head
+        torch.testing.assert_close(odd.float(), whole[:, 5:300].float(), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize("table", ["mixed", "every prefix one item"])
@@ -263,20 +299,23 @@ def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
         assert n <= padded < n * 5 / 4 + 1 and padded_rows(padded) == padded
 
 
-def test_bfloat16_rows_reach_onednn_in_padded_sizes_and_answer_as_alone(tiny_model_dir, monkeypatch):
-    """oneDNN compiles a kernel per row count: packed prompts (and decode steps of more than
-    EXACT_ROWS rows) go through the layers padded, and the padding changes no answer."""
+@pytest.mark.parametrize("kind", ["amx", "onednn"])
+def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_dir, monkeypatch, kind):
+    """oneDNN compiles a kernel per row count: there packed prompts (and decode steps of more than
+    EXACT_ROWS rows) go through the layers padded. Our AMX linear takes any row count as it is.
+    Either way a prompt's answer is the one it gets alone."""
     from xllm_async.model import layers
-    from xllm_async.runtime.model_runner import ModelRunner
+    from xllm_async.runtime import model_runner
 
-    if not layers.onednn_packing_helps(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("no oneDNN linear in this torch build")
-    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    if kind not in _packings():
+        pytest.skip(f"no {kind} linear on this machine")
+    monkeypatch.setattr(model_runner, "linear_packing", lambda device, dtype: kind)
+    runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     runner.set_kv_cache(64 << 20, 1)
-    seen: list[int] = []  # the rows of every oneDNN linear call
-    kernel = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: seen.append(x.shape[0]) or
-                        kernel(x, *rest))
+    seen: list[int] = []  # the rows of every packed linear call
+    namespace, name = (torch.ops.xllm, "amx_linear") if kind == "amx" else (torch.ops.mkldnn, "_linear_pointwise")
+    kernel = getattr(namespace, name)
+    monkeypatch.setattr(namespace, name, lambda x, *rest: seen.append(x.shape[0]) or kernel(x, *rest))
 
     def greedy(batch: list[list[int]], steps: int = 3) -> list[list[int]]:
         with torch.inference_mode():
@@ -290,10 +329,14 @@ def test_bfloat16_rows_reach_onednn_in_padded_sizes_and_answer_as_alone(tiny_mod
                     seq.append(t)
         return out
 
-    prompts = random_prompts(23, [3 + (i % 7) for i in range(70)])  # 70 rows decode, 411 prompt tokens
+    prompts = random_prompts(23, [3 + (i % 7) for i in range(70)])  # 70 rows decode
+    tokens = sum(map(len, prompts))
     batched = greedy(prompts)
-    assert max(seen) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in seen)
-    assert 411 not in seen and 70 not in seen  # both went through padded
+    if kind == "onednn":
+        assert max(seen) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in seen)
+        assert layers.padded_rows(tokens) != tokens and tokens not in seen and 70 not in seen  # padded
+    else:
+        assert tokens in seen and 70 in seen  # as they are
     assert batched == [greedy([p])[0] for p in prompts]
 
 

@@ -5,6 +5,7 @@ the eager code makes four to eight; a bfloat16 prefill spent half its time in su
 whole batch of packed prompts in one call and a beam round's prompt stage
 (csrc/varlen_attention.cpp); on CPUs with AVX512-BF16, a decode step's attention in one call
 (csrc/decode_attention.cpp) and a beam round's top k with its log-sum-exp (csrc/beam_topk.cpp).
+Since the thirteenth, on CPUs with AMX: the bfloat16 linear layers (csrc/amx_linear.cpp).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -49,6 +50,7 @@ _varlen = None
 _prefix = None
 _topk = None  # torch.ops.xllm.topk_logsumexp, where this CPU has AVX512-BF16
 _decode = None  # torch.ops.xllm.decode_attention, likewise
+_amx_linear = False  # torch.ops.xllm.amx_linear, where this CPU has AMX and it ran
 
 
 def _cpu_flags() -> str:
@@ -125,9 +127,27 @@ def _working_attention():
     return varlen, prefix
 
 
+def _working_amx_linear() -> bool:
+    """Our AMX linear (csrc/amx_linear.cpp) if this build has it and it computes here: torch's
+    brgemm needs oneDNN enabled and AMX granted by Linux."""
+    if not hasattr(torch.ops.xllm, "amx_linear"):
+        return False
+    try:
+        weight = torch.ones(3, 4, dtype=torch.bfloat16)
+        out = torch.ops.xllm.amx_linear(torch.ones(2, 4, dtype=torch.bfloat16), torch.ops.xllm.amx_pack(weight),
+                                        None, 3)
+    except RuntimeError as exc:
+        log.warning("AMX linear unusable here: %s", exc)
+        return False
+    if not bool((out == 4).all()):
+        log.warning("AMX linear computed wrong here: oneDNN's linear serves")
+        return False
+    return True
+
+
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix, _topk, _decode
+    global _loaded, _varlen, _prefix, _topk, _decode, _amx_linear
     with _lock:
         if _loaded is None:
             try:
@@ -136,10 +156,16 @@ def available() -> bool:
                 _varlen, _prefix = _working_attention()
                 _topk = getattr(torch.ops.xllm, "topk_logsumexp", None)
                 _decode = getattr(torch.ops.xllm, "decode_attention", None)
+                _amx_linear = _working_amx_linear()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
         return _loaded
+
+
+def amx_linear_works() -> bool:
+    """Whether our AMX linear (csrc/amx_linear.cpp) loaded and computes here."""
+    return available() and _amx_linear
 
 
 def varlen_attention():

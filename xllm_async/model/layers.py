@@ -11,46 +11,93 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be re-laid out once for oneDNN (pack_for_onednn).
+    """nn.Linear whose weight can be laid out once for this CPU's faster bfloat16 linear
+    (pack_linears): then `weight` is None and `packed` holds the only copy."""
 
-    On a CPU in bfloat16, oneDNN's linear on a packed weight is 1.4-2x faster than
-    aten's for the few rows of a decode step, and as fast for a prefill's thousands
-    (measured here: 3072x576, 1 row 236 -> 163 us, 5,000 rows 10.4 -> 10.6 ms).
-    """
-
-    onednn_weight = None  # the packed weight (an opaque oneDNN tensor); then `weight` is None
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_weight is not None:
-            return onednn_linear(x, self.onednn_weight, self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-# The batch size the packed layout is tuned for: a large one serves every size (a layout tuned
+class PackedWeight:
+    """A [out, in] weight laid out for one of two bfloat16 CPU linears:
+    - "amx": our AMX linear (csrc/amx_linear.cpp, torch's brgemm micro-kernel), any number of rows
+      with a fixed set of small kernels; 1.5-2.4x faster than oneDNN's for a decode step's 1-32 rows,
+      level for a prefill's thousands (perf/RESULTS.md, thirteenth session);
+    - "onednn": oneDNN's linear (torch.ops.mkldnn), on CPUs without AMX: 1.4-2x faster than aten's
+      for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a prefill's; it
+      compiles a kernel per row count, so rows are padded to a few sizes (padded_rows)."""
+
+    __slots__ = ("data", "out_features", "kind")
+
+    def __init__(self, weight: torch.Tensor, kind: str) -> None:
+        self.kind = kind
+        self.out_features = weight.shape[0]
+        if kind == "amx":
+            self.data = torch.ops.xllm.amx_pack(weight.detach().contiguous())
+        else:
+            self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+
+    def columns(self, start: int, end: int) -> PackedWeight | None:
+        """The output columns [start, end) as a weight of their own, sharing this one's memory
+        (only "amx", and only from a 64-column block's start); None where that cannot be."""
+        if self.kind != "amx" or start % AMX_COLUMNS or not 0 <= start < end <= self.out_features:
+            return None
+        part = PackedWeight.__new__(PackedWeight)
+        part.kind, part.out_features = "amx", end - start
+        part.data = self.data[start // AMX_COLUMNS:-(-end // AMX_COLUMNS)]
+        return part
+
+
+AMX_COLUMNS = 64  # the column block of csrc/amx_linear.cpp's packed weights
+
+# The batch size oneDNN's packed layout is tuned for: a large one serves every size (a layout tuned
 # for 1 row made 5,000-row prefills 1.6x slower here; one tuned for 5,000 made decode no slower).
 _PACK_HINT = 4096
 
 
-def pack_for_onednn(model: nn.Module) -> int:
-    """Re-lay out every Linear's weight for oneDNN once (the plain weight is dropped: one copy);
-    returns how many were packed."""
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed.kind == "amx":
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.xllm.amx_linear(rows, packed.data, bias, packed.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.out_features)
+    out = torch.ops.mkldnn._linear_pointwise(rows_padded(x), packed.data, bias, "none", [], "")
+    return out if out.shape[0] == x.shape[0] else out[:x.shape[0]]
+
+
+def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Which packed linear serves this device and dtype: "amx" where our AMX kernel loaded and ran,
+    else "onednn" where torch has oneDNN's; None: plain F.linear (float32 and accelerators: float32
+    was mixed with oneDNN, faster at 8 rows, slower at 1)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    from . import cpu_kernels
+
+    if cpu_kernels.amx_linear_works():
+        return "amx"
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return "onednn"
+    return None
+
+
+def pack_linears(model: nn.Module, kind: str) -> int:
+    """Lay out every Linear's weight (and the LM head, as a copy: item tables and the tied
+    embedding read the plain one) for `kind` once; returns how many Linears were packed."""
     count = 0
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear) and module.weight is not None:
-                module.onednn_weight = onednn_packed(module.weight)
+                module.packed = PackedWeight(module.weight, kind)
                 module.weight = None
                 count += 1
-        if getattr(model, "onednn_lm_head", False) is None:
-            model.onednn_lm_head = onednn_packed(model.lm_head)
+        if hasattr(model, "packed_lm_head"):
+            model.packed_lm_head = PackedWeight(model.lm_head, kind)
         if hasattr(model, "pad_rows"):
-            model.pad_rows = True
+            model.pad_rows = kind == "onednn"
     return count
-
-
-def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of a [out, in] weight laid out for oneDNN's linear (an opaque tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
 
 
 # oneDNN compiles a kernel for every number of rows it meets, and keeps it in a cache of
@@ -62,9 +109,7 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
 # on average): 36 sizes up to 8,192 rows, each compiled once. Up to EXACT_ROWS (the decode steps
 # of a few clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of
 # 64 x 64, 2.4 MB a row count), so every size costs memory, and sizes first met late in a soak
-# are its growth: EXACT_ROWS was 64 (a soak's decode steps of 17-64 rows met 48 sizes, then 14),
-# and 8 sizes a doubling left a soak +6-10% (now +6-8%, 40 MB lower; served 30-608-token prompts
-# 1.02x and 320-token ones 0.98x of 8 sizes, side by side).
+# are its growth. Our AMX linear has none of this: where it runs, nothing is padded.
 EXACT_ROWS = 16
 
 
@@ -80,17 +125,6 @@ def rows_padded(x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     padded = padded_rows(rows)
     return x if padded == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, padded - rows))
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = torch.ops.mkldnn._linear_pointwise(rows_padded(x), packed, bias, "none", [], "")
-    return out if out.shape[0] == x.shape[0] else out[:x.shape[0]]
-
-
-def onednn_packing_helps(device: torch.device, dtype: torch.dtype) -> bool:
-    """Only bfloat16 on CPU gained (float32 was mixed: faster at 8 rows, slower at 1)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class RMSNorm(nn.Module):

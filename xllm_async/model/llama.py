@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary, onednn_linear, rows_padded
+from .layers import GatedMlp, Linear, PackedWeight, RMSNorm, RotaryEmbedding, apply_rotary, packed_linear, rows_padded
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -126,10 +126,11 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(shape.hidden, shape.eps)
         self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta, shape.rope_scaling)
         self.lm_head = self.embed.weight if shape.tied else nn.Parameter(torch.empty(shape.vocab, shape.hidden))
-        # The LM head laid out for oneDNN too (pack_for_onednn), for logits over the whole vocabulary;
-        # a copy, since subsets of rows (item tables) and the tied embedding read the plain one.
-        self.onednn_lm_head: torch.Tensor | None = None
-        self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
+        # The LM head laid out for the packed linear too (layers.pack_linears), for logits over the
+        # vocabulary or a block of its columns; a copy, since subsets of rows (item tables) and the
+        # tied embedding read the plain one.
+        self.packed_lm_head: PackedWeight | None = None
+        self.pad_rows = False  # set with oneDNN's packing: token rows padded to padded_rows() sizes
         self.fused = False  # set by use_fused_kernels
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
@@ -155,17 +156,19 @@ class CausalLM(nn.Module):
         """Logits [rows, vocab]; or [rows, len(tokens)] over only these token ids; or over the
         vocabulary's columns [start, end) (a view of the head's rows, nothing copied). float32
         unless as_float is False (then in the model's dtype)."""
-        if tokens is None and columns is None and self.onednn_lm_head is not None:
-            logits = onednn_linear(hidden, self.onednn_lm_head)
-            return logits.float() if as_float else logits
+        if tokens is None and self.packed_lm_head is not None:
+            head = self.packed_lm_head if columns is None else self.packed_lm_head.columns(*columns)
+            if head is not None:
+                logits = packed_linear(hidden, head)
+                return logits.float() if as_float else logits
         if columns is not None:
             weight = self.lm_head[columns[0]:columns[1]]
         else:
             weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
         rows = hidden.shape[0]
-        if self.pad_rows:
-            # A beam round's rows (its live beams) take any number, and oneDNN compiles a matmul
-            # kernel per number of rows: padded like the layers' rows, they meet the same few sizes.
+        if self.packed_lm_head is not None:
+            # A beam round's rows (its live beams) take any number, and oneDNN (under torch.matmul)
+            # compiles a matmul kernel per number of rows: padded, they meet a few sizes.
             hidden = rows_padded(hidden)
         logits = torch.matmul(hidden, weight.t())[:rows]
         return logits.float() if as_float else logits

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
-from ..model.layers import onednn_packing_helps, pack_for_onednn
+from ..model.layers import linear_packing, pack_linears
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
 from .device import default_kv_cache_bytes, fast_cpu_dtype
@@ -70,8 +70,10 @@ class ModelRunner:
         log.info("loading weights from %s (%s)", model_dir, self.dtype)
         with one_intra_op_thread():
             self.model = load_model(model_dir, self.config, device, self.dtype)
-            if onednn_packing_helps(device, self.dtype):
-                log.info("%d linear layers packed for oneDNN", pack_for_onednn(self.model))
+            packing = linear_packing(device, self.dtype)
+            if packing is not None:
+                log.info("%d linear layers packed for %s", pack_linears(self.model, packing),
+                         "our AMX linear" if packing == "amx" else "oneDNN's linear")
             if cpu_kernels.wanted(device, self.dtype):
                 use_fused_kernels(self.model)
                 log.info("norms, rotary and SiLU on our fused bfloat16 CPU kernels")
