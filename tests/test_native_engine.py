@@ -199,16 +199,17 @@ def _packings() -> list[str]:
 
 @pytest.mark.parametrize("kind", ["amx", "onednn"])
 def test_packed_linears_compute_what_plain_ones_do(kind):
-    """Every row count (a block of 32 rows and its tail), a last column block part padding, a bias,
-    rows in three dimensions: within bfloat16 rounding of the plain layer's float32 product."""
-    from xllm_async.model.layers import Linear, pack_linears
+    """Every row count (a block of 32 rows and its tail, and beyond AMX_MAX_ROWS), a last column
+    block part padding, a bias, rows in three dimensions: within bfloat16 rounding of the plain
+    layer's float32 product."""
+    from xllm_async.model.layers import AMX_MAX_ROWS, Linear, pack_linears
 
     if kind not in _packings():
         pytest.skip(f"no {kind} linear on this machine")
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
     with torch.inference_mode():
-        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 5, 32, 33, 100)]
+        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 5, 32, 33, 100, AMX_MAX_ROWS + 3)]
         plain = [F.linear(x.float(), layer.weight.float(), layer.bias.float()) for x in inputs]
         assert pack_linears(layer, kind) == 1 and layer.weight is None
         for x, want in zip(inputs, plain):
@@ -301,9 +302,9 @@ def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
 
 @pytest.mark.parametrize("kind", ["amx", "onednn"])
 def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_dir, monkeypatch, kind):
-    """oneDNN compiles a kernel per row count: there packed prompts (and decode steps of more than
-    EXACT_ROWS rows) go through the layers padded. Our AMX linear takes any row count as it is.
-    Either way a prompt's answer is the one it gets alone."""
+    """oneDNN compiles a kernel per row count: packed prompts (and decode steps of more than
+    EXACT_ROWS rows) go through the layers padded, and the padding changes no answer. Our AMX
+    linear takes up to AMX_MAX_ROWS; more go to oneDNN (F.linear on the plain weight)."""
     from xllm_async.model import layers
     from xllm_async.runtime import model_runner
 
@@ -316,6 +317,10 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     namespace, name = (torch.ops.xllm, "amx_linear") if kind == "amx" else (torch.ops.mkldnn, "_linear_pointwise")
     kernel = getattr(namespace, name)
     monkeypatch.setattr(namespace, name, lambda x, *rest: seen.append(x.shape[0]) or kernel(x, *rest))
+    beyond: list[int] = []  # the rows of every oneDNN matmul past our AMX linear
+    monkeypatch.setattr(layers, "AMX_MAX_ROWS", 64)
+    linear = layers.F.linear
+    monkeypatch.setattr(layers.F, "linear", lambda x, *rest: beyond.append(x.shape[0]) or linear(x, *rest))
 
     def greedy(batch: list[list[int]], steps: int = 3) -> list[list[int]]:
         with torch.inference_mode():
@@ -332,12 +337,12 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     prompts = random_prompts(23, [3 + (i % 7) for i in range(70)])  # 70 rows decode
     tokens = sum(map(len, prompts))
     batched = greedy(prompts)
-    if kind == "onednn":
-        assert max(seen) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in seen)
-        assert layers.padded_rows(tokens) != tokens and tokens not in seen and 70 not in seen  # padded
-    else:
-        assert tokens in seen and 70 in seen  # as they are
+    reached = seen + beyond
+    assert max(reached) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in reached)
+    assert layers.padded_rows(tokens) != tokens and tokens not in reached and 70 not in reached  # padded
     assert batched == [greedy([p])[0] for p in prompts]
+    if kind == "amx":  # a prompt alone (3-9 rows) on ours, the batch's 72-448 rows on oneDNN's
+        assert seen and max(seen) <= 64 and min(beyond) > 64
 
 
 def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeypatch):

@@ -24,20 +24,24 @@ class Linear(nn.Linear):
 
 class PackedWeight:
     """A [out, in] weight laid out for one of two bfloat16 CPU linears:
-    - "amx": our AMX linear (csrc/amx_linear.cpp, torch's brgemm micro-kernel), any number of rows
-      with a fixed set of small kernels; 1.5-2.4x faster than oneDNN's for a decode step's 1-32 rows,
-      level for a prefill's thousands (perf/RESULTS.md, thirteenth session);
+    - "amx": our AMX linear (csrc/amx_linear.cpp, torch's brgemm micro-kernel) for up to
+      AMX_MAX_ROWS rows, with a fixed set of small kernels whatever their number: 1.5-2.4x faster
+      than oneDNN's for a decode step's 1-32 rows. Beyond that oneDNN's blocking wins (5,120 rows
+      of 256 -> 1,536 on two threads: 1.2 against 1.55 ms), so those go to oneDNN's matmul
+      (F.linear) on the plain weight, which is kept (`plain`: a second copy of the layer);
     - "onednn": oneDNN's linear (torch.ops.mkldnn), on CPUs without AMX: 1.4-2x faster than aten's
-      for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a prefill's; it
-      compiles a kernel per row count, so rows are padded to a few sizes (padded_rows)."""
+      for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a prefill's.
+    oneDNN compiles a kernel per row count, so rows reach it padded to a few sizes (padded_rows)."""
 
-    __slots__ = ("data", "out_features", "kind")
+    __slots__ = ("data", "plain", "out_features", "kind")
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         self.kind = kind
         self.out_features = weight.shape[0]
+        self.plain = None
         if kind == "amx":
             self.data = torch.ops.xllm.amx_pack(weight.detach().contiguous())
+            self.plain = weight.detach()
         else:
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
 
@@ -49,10 +53,15 @@ class PackedWeight:
         part = PackedWeight.__new__(PackedWeight)
         part.kind, part.out_features = "amx", end - start
         part.data = self.data[start // AMX_COLUMNS:-(-end // AMX_COLUMNS)]
+        part.plain = self.plain[start:end]
         return part
 
 
 AMX_COLUMNS = 64  # the column block of csrc/amx_linear.cpp's packed weights
+# The most rows our AMX linear takes; more go to oneDNN's matmul. Measured here, two threads: level
+# at 512 rows (256 -> 1,536: 323 against 338 ns a row), behind from 1,024. (oneDNN's matmul in
+# fixed blocks of 1,024 rows, to meet one row count per layer, was 1.5x slower at 5,120 rows.)
+AMX_MAX_ROWS = 512
 
 # The batch size oneDNN's packed layout is tuned for: a large one serves every size (a layout tuned
 # for 1 row made 5,000-row prefills 1.6x slower here; one tuned for 5,000 made decode no slower).
@@ -60,12 +69,17 @@ _PACK_HINT = 4096
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dim() != 2:
+        return packed_linear(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
+    rows = x.shape[0]
+    if packed.kind == "amx" and rows <= AMX_MAX_ROWS:
+        return torch.ops.xllm.amx_linear(x, packed.data, bias, packed.out_features)
+    padded = rows_padded(x)
     if packed.kind == "amx":
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.xllm.amx_linear(rows, packed.data, bias, packed.out_features)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.out_features)
-    out = torch.ops.mkldnn._linear_pointwise(rows_padded(x), packed.data, bias, "none", [], "")
-    return out if out.shape[0] == x.shape[0] else out[:x.shape[0]]
+        out = F.linear(padded, packed.plain, bias)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(padded, packed.data, bias, "none", [], "")
+    return out if out.shape[0] == rows else out[:rows]
 
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -96,7 +110,7 @@ def pack_linears(model: nn.Module, kind: str) -> int:
         if hasattr(model, "packed_lm_head"):
             model.packed_lm_head = PackedWeight(model.lm_head, kind)
         if hasattr(model, "pad_rows"):
-            model.pad_rows = kind == "onednn"
+            model.pad_rows = True
     return count
 
 
@@ -109,7 +123,8 @@ def pack_linears(model: nn.Module, kind: str) -> int:
 # on average): 36 sizes up to 8,192 rows, each compiled once. Up to EXACT_ROWS (the decode steps
 # of a few clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of
 # 64 x 64, 2.4 MB a row count), so every size costs memory, and sizes first met late in a soak
-# are its growth. Our AMX linear has none of this: where it runs, nothing is padded.
+# are its growth. Our AMX linear has none of this, but the rows beyond AMX_MAX_ROWS still reach
+# oneDNN, and padding a prefill's rows once (CausalLM.forward) saves padding them at every layer.
 EXACT_ROWS = 16
 
 

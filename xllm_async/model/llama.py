@@ -130,7 +130,7 @@ class CausalLM(nn.Module):
         # vocabulary or a block of its columns; a copy, since subsets of rows (item tables) and the
         # tied embedding read the plain one.
         self.packed_lm_head: PackedWeight | None = None
-        self.pad_rows = False  # set with oneDNN's packing: token rows padded to padded_rows() sizes
+        self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
         self.fused = False  # set by use_fused_kernels
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
