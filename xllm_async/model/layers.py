@@ -12,7 +12,7 @@ from torch import nn
 
 class Linear(nn.Linear):
     """nn.Linear whose weight can be laid out once for this CPU's faster bfloat16 linear
-    (pack_linears): then `weight` is None and `packed` holds the only copy."""
+    (pack_linears): then `weight` is None and `packed` holds it (PackedWeight)."""
 
     packed: PackedWeight | None = None
 
