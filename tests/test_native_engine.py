@@ -400,3 +400,29 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
     spans.clear()  # float32 takes the kernel's other path: exact lengths
     attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(), dim ** -0.5)
     assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
+
+
+def test_warm_up_compiles_every_row_count_the_amx_linear_leaves_to_onednn(tiny_model_dir, monkeypatch):
+    """Start-up runs oneDNN's matmul once at each padded row count beyond AMX_MAX_ROWS up to the
+    batch's most tokens, for every layer shape and slot thread count, so that no kernel is first
+    compiled under traffic; the caller's thread count is left as it was."""
+    from xllm_async.model import layers
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    if "amx" not in _packings():
+        pytest.skip("no AMX linear on this machine")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    calls: list[tuple[int, int, int]] = []  # (rows, input width, threads)
+    linear = layers.F.linear
+    monkeypatch.setattr(layers.F, "linear", lambda x, w, b=None: calls.append(
+        (x.shape[0], x.shape[1], torch.get_num_threads())) or linear(x, w, b))
+    before = torch.get_num_threads()
+    runner.warm_up(2000, {1, 2})
+    assert torch.get_num_threads() == before
+    sizes = sorted({layers.padded_rows(n) for n in range(layers.AMX_MAX_ROWS + 1, 2001)})
+    assert sizes[0] > layers.AMX_MAX_ROWS and sizes[-1] >= 2000
+    widths = {x for _, x, _ in calls}
+    assert {(rows, threads) for rows, _, threads in calls} == {(s, t) for s in sizes for t in (1, 2)}
+    assert len(calls) == len(sizes) * 2 * len({(m.packed.plain.shape, m.bias is not None)
+                                               for m in runner.model.modules()
+                                               if isinstance(m, layers.Linear)}) and len(widths) >= 2

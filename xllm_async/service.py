@@ -83,6 +83,10 @@ class Service:
                      "(XLLM_CONCURRENT_EXECUTE_STREAM_NUM applies to fixed_steps)")
         self.slots = start_slots(self.runner.device, num_slots,
                                  settings.torch_threads, settings.slot_nice)
+        warm_up = getattr(runner, "warm_up", None)
+        if warm_up is not None and self.runner.device.type == "cpu":
+            warm_up(settings.max_tokens_per_batch,
+                    {n for slot in self.slots for n in (slot.binding.cpu_threads, slot.binding.all_threads)})
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
                                lambda: self.runner.load_seconds))

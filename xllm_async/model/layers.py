@@ -114,6 +114,31 @@ def pack_linears(model: nn.Module, kind: str) -> int:
     return count
 
 
+def warm_beyond_amx(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int:
+    """Compile oneDNN's kernels for the rows our AMX linear leaves to it, once, at start-up: every
+    padded row count beyond AMX_MAX_ROWS up to max_rows (a batch's most tokens), for each layer
+    shape and each thread count a slot runs with. Met one by one as traffic grows, they were a
+    10,000-request soak's growth (96 kernels of ~0.6 MB, the last in its final tenth). Returns
+    how many were compiled; the calling thread's thread count is restored."""
+    layers = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.packed is not None and module.packed.kind == "amx":
+            layers.setdefault((tuple(module.packed.plain.shape), module.bias is not None), module)
+    sizes = sorted({padded_rows(rows) for rows in range(AMX_MAX_ROWS + 1, max_rows + 1)})
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for count in sorted(thread_counts):
+                torch.set_num_threads(count)
+                for module in layers.values():
+                    for size in sizes:
+                        F.linear(module.packed.plain.new_zeros(size, module.in_features), module.packed.plain,
+                                 module.bias)
+    finally:
+        torch.set_num_threads(threads)
+    return len(layers) * len(sizes) * len(thread_counts)
+
+
 # oneDNN compiles a kernel for every number of rows it meets, and keeps it in a cache of
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY kernels (1,024) shared by the process. Measured here (bfloat16,
 # 768 x 256, 1,000 rows, one thread): 4.6 ms the first time, 0.56 ms from the cache. Packed prompts

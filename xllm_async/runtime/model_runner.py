@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
-from ..model.layers import linear_packing, pack_linears
+from ..model.layers import linear_packing, pack_linears, warm_beyond_amx
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
 from .device import default_kv_cache_bytes, fast_cpu_dtype
@@ -90,6 +90,15 @@ class ModelRunner:
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s on our own model code, %s, vocab %d, context %d",
                  self.load_seconds, shape.family, self.dtype, self.vocab_size, self.max_model_len)
+
+    def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
+        """Compile ahead what a forward of up to max_rows tokens would compile on first meeting it
+        (layers.warm_beyond_amx): nothing unless our AMX linear runs here."""
+        started = time.monotonic()
+        kernels = warm_beyond_amx(self.model, max_rows, thread_counts)
+        if kernels:
+            log.info("%d oneDNN kernels for batches beyond 512 rows compiled in %.1f s", kernels,
+                     time.monotonic() - started)
 
     def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
         """Size every slot's arena: total_bytes (None: the device's default) shared by the slots."""
