@@ -95,7 +95,14 @@ class ModelRunner:
         """Compile ahead what a forward of up to max_rows tokens would compile on first meeting it
         (layers.warm_beyond_amx): nothing unless our AMX linear runs here."""
         started = time.monotonic()
-        kernels = warm_beyond_amx(self.model, max_rows, thread_counts)
+        kernels = []
+        # On a thread of its own: parallel work on the event loop's thread starts an OpenMP team for
+        # it, and every slot runs slower after that (host_memory.one_intra_op_thread): c2 0.70x.
+        worker = threading.Thread(target=lambda: kernels.append(warm_beyond_amx(self.model, max_rows, thread_counts)),
+                                  name="xllm-warm-up")
+        worker.start()
+        worker.join()
+        kernels = kernels[0] if kernels else 0
         if kernels:
             log.info("%d oneDNN kernels for batches beyond 512 rows compiled in %.1f s", kernels,
                      time.monotonic() - started)
