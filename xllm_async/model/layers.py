@@ -23,45 +23,45 @@ class Linear(nn.Linear):
 
 
 class PackedWeight:
-    """A [out, in] weight laid out for one of two bfloat16 CPU linears:
-    - "amx": our AMX linear (csrc/amx_linear.cpp, torch's brgemm micro-kernel) for up to
-      AMX_MAX_ROWS rows, with a fixed set of small kernels whatever their number: 1.5-2.4x faster
-      than oneDNN's for a decode step's 1-32 rows. Beyond that oneDNN's blocking wins (5,120 rows
-      of 256 -> 1,536 on two threads: 1.2 against 1.55 ms), so those go to oneDNN's matmul
-      (F.linear) on the plain weight, which is kept (`plain`: a second copy of the layer);
-    - "onednn": oneDNN's linear (torch.ops.mkldnn), on CPUs without AMX: 1.4-2x faster than aten's
-      for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a prefill's.
+    """A [out, in] weight laid out for the bfloat16 CPU linears:
+    - "amx": our AMX linear (csrc/amx_linear.cpp, torch's brgemm micro-kernel), with a fixed set of
+      small kernels whatever the number of rows: 1.5-2.4x oneDNN's linear for a decode step's 1-32
+      rows. From a few dozen rows on oneDNN's blocking wins (SmolLM2, one 128-token prompt: 36
+      against 41 ms; 5,120 rows of 256 -> 1,536 on two threads: 1.2 against 1.55 ms), so a layer
+      keeps oneDNN's packed weight too (`onednn`: a second copy) for more than AMX_MAX_ROWS rows.
+      The LM head keeps no second copy: its rows are a batch's last tokens or a beam round's beams;
+    - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs without AMX: 1.4-2x faster than
+      aten's for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a prefill's.
     oneDNN compiles a kernel per row count, so rows reach it padded to a few sizes (padded_rows)."""
 
-    __slots__ = ("data", "plain", "out_features", "kind")
+    __slots__ = ("amx", "onednn", "out_features")
 
-    def __init__(self, weight: torch.Tensor, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, weight: torch.Tensor, kind: str, both: bool = True) -> None:
         self.out_features = weight.shape[0]
-        self.plain = None
-        if kind == "amx":
-            self.data = torch.ops.xllm.amx_pack(weight.detach().contiguous())
-            self.plain = weight.detach()
-        else:
-            self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+        self.amx = torch.ops.xllm.amx_pack(weight.detach().contiguous()) if kind == "amx" else None
+        self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+                       if kind == "onednn" or both else None)
+
+    @property
+    def kind(self) -> str:
+        return "amx" if self.amx is not None else "onednn"
 
     def columns(self, start: int, end: int) -> PackedWeight | None:
         """The output columns [start, end) as a weight of their own, sharing this one's memory
-        (only "amx", and only from a 64-column block's start); None where that cannot be."""
-        if self.kind != "amx" or start % AMX_COLUMNS or not 0 <= start < end <= self.out_features:
+        (only our AMX layout, from a 64-column block's start); None where that cannot be."""
+        if self.amx is None or start % AMX_COLUMNS or not 0 <= start < end <= self.out_features:
             return None
         part = PackedWeight.__new__(PackedWeight)
-        part.kind, part.out_features = "amx", end - start
-        part.data = self.data[start // AMX_COLUMNS:-(-end // AMX_COLUMNS)]
-        part.plain = self.plain[start:end]
+        part.out_features, part.onednn = end - start, None
+        part.amx = self.amx[start // AMX_COLUMNS:-(-end // AMX_COLUMNS)]
         return part
 
 
 AMX_COLUMNS = 64  # the column block of csrc/amx_linear.cpp's packed weights
-# The most rows our AMX linear takes; more go to oneDNN's matmul. Measured here, two threads: level
-# at 512 rows (256 -> 1,536: 323 against 338 ns a row), behind from 1,024. (oneDNN's matmul in
-# fixed blocks of 1,024 rows, to meet one row count per layer, was 1.5x slower at 5,120 rows.)
-AMX_MAX_ROWS = 512
+# The most rows our AMX linear takes where a layer also has oneDNN's weight. Measured here (two
+# threads): ours ahead at 32 rows for every SmolLM2 and 4-layer shape (1.5-2.1x), behind for
+# 576 -> 3,072 at 100 rows (0.9x).
+AMX_MAX_ROWS = 64
 
 # The batch size oneDNN's packed layout is tuned for: a large one serves every size (a layout tuned
 # for 1 row made 5,000-row prefills 1.6x slower here; one tuned for 5,000 made decode no slower).
@@ -72,13 +72,9 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if x.dim() != 2:
         return packed_linear(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
     rows = x.shape[0]
-    if packed.kind == "amx" and rows <= AMX_MAX_ROWS:
-        return torch.ops.xllm.amx_linear(x, packed.data, bias, packed.out_features)
-    padded = rows_padded(x)
-    if packed.kind == "amx":
-        out = F.linear(padded, packed.plain, bias)
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(padded, packed.data, bias, "none", [], "")
+    if packed.amx is not None and (rows <= AMX_MAX_ROWS or packed.onednn is None):
+        return torch.ops.xllm.amx_linear(x, packed.amx, bias, packed.out_features)
+    out = torch.ops.mkldnn._linear_pointwise(rows_padded(x), packed.onednn, bias, "none", [], "")
     return out if out.shape[0] == rows else out[:rows]
 
 
@@ -108,32 +104,38 @@ def pack_linears(model: nn.Module, kind: str) -> int:
                 module.weight = None
                 count += 1
         if hasattr(model, "packed_lm_head"):
-            model.packed_lm_head = PackedWeight(model.lm_head, kind)
+            model.packed_lm_head = PackedWeight(model.lm_head, kind, both=False)
         if hasattr(model, "pad_rows"):
             model.pad_rows = True
     return count
 
 
-def warm_beyond_amx(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int:
-    """Compile oneDNN's kernels for the rows our AMX linear leaves to it, once, at start-up: every
-    padded row count beyond AMX_MAX_ROWS up to max_rows (a batch's most tokens), for each layer
-    shape and each thread count a slot runs with. Met one by one as traffic grows, they were a
-    10,000-request soak's growth (96 kernels of ~0.6 MB, the last in its final tenth). Returns
-    how many were compiled; the calling thread's thread count is restored."""
+# Start-up compiles oneDNN's kernels from this many rows up (warm_onednn): larger batches are rarer,
+# so their row counts were met one by one through a soak, each compiling a kernel that stays.
+WARM_FROM = 512
+
+
+def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int:
+    """Compile oneDNN's kernels for the larger batches once, at start-up: every padded row count
+    from WARM_FROM up to max_rows (a batch's most tokens), for each layer shape and each thread
+    count a slot runs with. Met one by one as traffic grows, they were most of a 10,000-request
+    soak's growth (96 kernels of ~0.6 MB, the last in its final tenth). Returns how many were
+    compiled; the calling thread's thread count is restored."""
     layers = {}
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed is not None and module.packed.kind == "amx":
-            layers.setdefault((tuple(module.packed.plain.shape), module.bias is not None), module)
-    sizes = sorted({padded_rows(rows) for rows in range(AMX_MAX_ROWS + 1, max_rows + 1)})
+        if isinstance(module, Linear) and module.packed is not None and module.packed.onednn is not None:
+            layers.setdefault((module.in_features, module.out_features, module.bias is not None), module)
+    sizes = sorted({padded_rows(rows) for rows in range(WARM_FROM + 1, max_rows + 1)})
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
             for count in sorted(thread_counts):
                 torch.set_num_threads(count)
                 for module in layers.values():
+                    weight = module.packed.onednn
                     for size in sizes:
-                        F.linear(module.packed.plain.new_zeros(size, module.in_features), module.packed.plain,
-                                 module.bias)
+                        torch.ops.mkldnn._linear_pointwise(torch.zeros(size, module.in_features, dtype=torch.bfloat16),
+                                                           weight, module.bias, "none", [], "")
     finally:
         torch.set_num_threads(threads)
     return len(layers) * len(sizes) * len(thread_counts)
@@ -149,7 +151,8 @@ def warm_beyond_amx(model: nn.Module, max_rows: int, thread_counts: set[int]) ->
 # of a few clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of
 # 64 x 64, 2.4 MB a row count), so every size costs memory, and sizes first met late in a soak
 # are its growth. Our AMX linear has none of this, but the rows beyond AMX_MAX_ROWS still reach
-# oneDNN, and padding a prefill's rows once (CausalLM.forward) saves padding them at every layer.
+# oneDNN, and padding a prefill's rows once (CausalLM.forward) saves padding them at every layer;
+# the larger sizes are compiled at start-up (warm_onednn).
 EXACT_ROWS = 16
 
 

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
-from ..model.layers import linear_packing, pack_linears, warm_beyond_amx
+from ..model.layers import WARM_FROM, linear_packing, pack_linears, warm_onednn
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
 from .device import default_kv_cache_bytes, fast_cpu_dtype
@@ -93,18 +93,18 @@ class ModelRunner:
 
     def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
         """Compile ahead what a forward of up to max_rows tokens would compile on first meeting it
-        (layers.warm_beyond_amx): nothing unless our AMX linear runs here."""
+        (layers.warm_onednn): nothing unless oneDNN's linear runs here."""
         started = time.monotonic()
         kernels = []
         # On a thread of its own: parallel work on the event loop's thread starts an OpenMP team for
         # it, and every slot runs slower after that (host_memory.one_intra_op_thread): c2 0.70x.
-        worker = threading.Thread(target=lambda: kernels.append(warm_beyond_amx(self.model, max_rows, thread_counts)),
+        worker = threading.Thread(target=lambda: kernels.append(warm_onednn(self.model, max_rows, thread_counts)),
                                   name="xllm-warm-up")
         worker.start()
         worker.join()
         kernels = kernels[0] if kernels else 0
         if kernels:
-            log.info("%d oneDNN kernels for batches beyond 512 rows compiled in %.1f s", kernels,
+            log.info("%d oneDNN kernels for batches of over %d rows compiled in %.1f s", kernels, WARM_FROM,
                      time.monotonic() - started)
 
     def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
