@@ -132,10 +132,9 @@ def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int
             for count in sorted(thread_counts):
                 torch.set_num_threads(count)
                 for module in layers.values():
-                    weight = module.packed.onednn
-                    for size in sizes:
-                        torch.ops.mkldnn._linear_pointwise(torch.zeros(size, module.in_features, dtype=torch.bfloat16),
-                                                           weight, module.bias, "none", [], "")
+                    for size in sizes:  # (beyond AMX_MAX_ROWS: packed_linear takes oneDNN's)
+                        packed_linear(torch.zeros(size, module.in_features, dtype=torch.bfloat16), module.packed,
+                                      module.bias)
     finally:
         torch.set_num_threads(threads)
     return len(layers) * len(sizes) * len(thread_counts)

@@ -95,14 +95,14 @@ class ModelRunner:
         """Compile ahead what a forward of up to max_rows tokens would compile on first meeting it
         (layers.warm_onednn): nothing unless oneDNN's linear runs here."""
         started = time.monotonic()
-        kernels = []
+        compiled: list[int] = []
         # On a thread of its own: parallel work on the event loop's thread starts an OpenMP team for
         # it, and every slot runs slower after that (host_memory.one_intra_op_thread): c2 0.70x.
-        worker = threading.Thread(target=lambda: kernels.append(warm_onednn(self.model, max_rows, thread_counts)),
+        worker = threading.Thread(target=lambda: compiled.append(warm_onednn(self.model, max_rows, thread_counts)),
                                   name="xllm-warm-up")
         worker.start()
         worker.join()
-        kernels = kernels[0] if kernels else 0
+        kernels = compiled[0] if compiled else 0
         if kernels:
             log.info("%d oneDNN kernels for batches of over %d rows compiled in %.1f s", kernels, WARM_FROM,
                      time.monotonic() - started)

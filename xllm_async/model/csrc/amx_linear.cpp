@@ -8,7 +8,9 @@
 // blocks of at most 32 rows x 64 columns, so the micro-kernels are keyed only by the rows of the
 // last block (1-32) and the input width: a few dozen small kernels per thread, met in the first
 // minutes. A decode step's few rows also skip the primitive's ~15 us of set-up: 1.5-2.4x faster
-// for 1-32 rows, level for thousands (perf/RESULTS.md, thirteenth session).
+// for 1-32 rows. From a few dozen rows on oneDNN's primitive wins (its kernel rounds to bfloat16
+// inside the tile loop; ours takes a pass after each block: 1.3-1.5x slower at 5,120 rows), so
+// layers.py gives ours a decode step's rows and the LM head (perf/RESULTS.md, thirteenth session).
 //
 // Weights are packed once (amx_pack) into column blocks of 64, each [K/2][64][2] bfloat16 (the
 // pairs AMX multiplies), zero columns padding the last block. Products accumulate in float32;
