@@ -1,6 +1,6 @@
 """Our fused bfloat16 CPU kernels (xllm_async/model/cpu_kernels.py) against the eager code they
 replace: bit for bit where no sum is involved, within a bfloat16 step where RMSNorm sums in
-another order; packed attention (CPUs with AMX) against float32 attention of each prompt alone;
+another order; packed attention (CPUs with AVX512-BF16) against float32 attention of each prompt alone;
 and a whole bfloat16 model with them against itself without them."""
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def test_rotary_and_silu_match_the_eager_code_bit_for_bit(rows):
     assert_within_a_step(fused, eager)  # (exp is ours: equal but for rare last-bit roundings)
 
 
-needs_amx = pytest.mark.skipif(cpu_kernels.varlen_attention() is None,
-                               reason="no AMX here: packed prompts keep torch's attention")
+needs_attention_kernel = pytest.mark.skipif(cpu_kernels.varlen_attention() is None,
+                                            reason="no AVX512-BF16 here: packed prompts keep torch's attention")
 
 
 def packed_qkv(lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int = 9):
@@ -74,10 +74,11 @@ def packed_qkv(lengths: list[int], heads: int, kv_heads: int, dim: int, seed: in
     return q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
 
 
-@needs_amx
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (8, 4, 32), (9, 3, 64), (16, 8, 128), (2, 2, 48)])
+@needs_attention_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [(4, 2, 16), (8, 4, 32), (9, 3, 64), (16, 8, 128), (2, 2, 48), (6, 2, 80)])
 def test_packed_attention_matches_each_prompt_alone_in_float32(heads, kv_heads, dim):
-    lengths = [1, 15, 16, 17, 33, 130]  # around the kernel's blocks of 16 rows and 32 keys
+    lengths = [1, 15, 16, 17, 33, 130]  # around the kernels' blocks of rows (4, 8, 16, 32) and keys (16, 32, 64)
     q, k, v = packed_qkv(lengths, heads, kv_heads, dim)
     scale = dim ** -0.5
     out = torch.ops.xllm.varlen_attention(q, k, v, lengths, scale, False)
@@ -93,7 +94,7 @@ def test_packed_attention_matches_each_prompt_alone_in_float32(heads, kv_heads, 
         start += n
 
 
-@needs_amx
+@needs_attention_kernel
 def test_a_prompts_attention_does_not_depend_on_the_batch_around_it():
     lengths = [40, 7, 300, 64]
     q, k, v = packed_qkv(lengths, 8, 4, 32)
@@ -102,7 +103,7 @@ def test_a_prompts_attention_does_not_depend_on_the_batch_around_it():
     assert torch.equal(together[47:347], alone)
 
 
-@needs_amx
+@needs_attention_kernel
 @pytest.mark.parametrize("beams,heads,kv_heads,dim,length", [(5, 4, 2, 16, 37), (128, 8, 4, 64, 300), (3, 9, 3, 64, 1)])
 def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, heads, kv_heads, dim, length):
     """A beam round's prompt stage: every beam against the request's prompt keys, read in place
@@ -121,7 +122,7 @@ def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, head
     assert torch.allclose(lse, ref_lse.reshape(beams, heads), atol=1e-3, rtol=1e-4)
 
 
-@needs_amx
+@needs_attention_kernel
 def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_model_dir, monkeypatch):
     from xllm_async.runtime.model_runner import ModelRunner
 
@@ -177,7 +178,7 @@ def test_decode_attention_reads_each_rows_slab_as_float32_attention_does(heads, 
         assert torch.equal(alone[0], out[row])
 
 
-@needs_amx
+@needs_attention_kernel
 def test_packed_attention_refuses_what_it_does_not_handle():
     q, k, v = packed_qkv([5, 6], 4, 2, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -206,7 +207,7 @@ def test_kernels_refuse_what_they_do_not_handle():
         torch.ops.xllm.rms_norm(torch.ones(2, 4).bfloat16(), torch.ones(3).bfloat16(), EPS)
 
 
-@needs_amx
+@needs_attention_kernel
 def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, monkeypatch):
     """Prefill with our kernel (into a cache, and as new rows of a cache in use, as the continuous
     scheduler does), then decode: the same tokens as with torch's attention a prompt at a time."""

@@ -356,7 +356,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
 
     from xllm_async.model import attention, cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "_varlen", None)  # torch's kernel, as on CPUs without AMX
+    monkeypatch.setattr(cpu_kernels, "_varlen", None)  # torch's kernel, as on CPUs without AVX512-BF16
     spans: list[tuple[int, int]] = []  # (queries, keys) of every kernel call
     sdpa, flash = F.scaled_dot_product_attention, attention._FLASH_CPU
     if flash is None:

@@ -3,9 +3,10 @@ one of these context objects (built once, shared by every layer), so the model
 code says only what the model computes; the bookkeeping lives here.
 
 - PackedPrefill: prompts concatenated without padding, causal attention per
-  sequence, keys written to the cache. In bfloat16 on a CPU with AMX, one call of
-  our kernel for the whole batch (csrc/varlen_attention.cpp); elsewhere torch's
-  kernel, a call per run of equal-length neighbours.
+  sequence, keys written to the cache. In bfloat16 on a CPU with AVX512-BF16 (on
+  AMX tiles where it has them), one call of our kernel for the whole batch
+  (csrc/varlen_attention.cpp); elsewhere torch's kernel, a call per run of
+  equal-length neighbours.
 - Decode: one new token per row against its slab of the cache (a view).
 - BeamDecode: the beams of a request share its prompt's keys, stored once; each
   round attends to the prompt once for all beams (one batched product), then to
@@ -258,7 +259,7 @@ class BeamDecode:
             width, length = end - first, self.prompt_lengths[row]
             if not width:  # every beam of this request had one way to end (engine/beam.py)
                 continue
-            if kernel is not None:  # (our AMX kernel: the beams' rows as they are, keys packed once)
+            if kernel is not None:  # (our kernel: the beams' rows as they are, keys packed once)
                 out, lse = kernel(q[first:end], prompt_keys[row, :, :length], prompt_values[row, :, :length], scale)
                 outs.append(_merge(out.view(width, kv_heads, group, dim), lse.view(width, kv_heads, group, 1),
                                    own_out[first:end], own_lse[first:end]))

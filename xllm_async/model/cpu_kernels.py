@@ -3,7 +3,8 @@ rotary embedding (after Qwen3's per-head norm), SiLU x up. Each is one pass over
 the eager code makes four to eight; a bfloat16 prefill spent half its time in such passes
 (perf/RESULTS.md, tenth session). Since the eleventh: on CPUs with AMX, causal attention over a
 whole batch of packed prompts in one call and a beam round's prompt stage
-(csrc/varlen_attention.cpp); on CPUs with AVX512-BF16, a decode step's attention in one call
+(csrc/varlen_attention.cpp; since the fourteenth also on CPUs with AVX512-BF16 and no AMX, on dot
+products instead of tiles); on CPUs with AVX512-BF16, a decode step's attention in one call
 (csrc/decode_attention.cpp) and a beam round's top k with its log-sum-exp (csrc/beam_topk.cpp).
 Since the thirteenth, on CPUs with AMX: the bfloat16 linear layers (csrc/amx_linear.cpp).
 
@@ -30,8 +31,8 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-# Every source there goes into the one library: the prefill attention operators exist only on CPUs
-# with AMX, the beam top-k and decode attention only on CPUs with AVX512-BF16.
+# Every source there goes into the one library: the attention, beam top-k and decode attention
+# operators exist only on CPUs with AVX512-BF16 (the prefill attention on AMX tiles where there are).
 SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp")))
 
 
@@ -44,7 +45,7 @@ def _build_dir() -> str:
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
-# Our attention operators once loaded, where this CPU has AMX: torch.ops.xllm.varlen_attention
+# Our attention operators once loaded, where this CPU has AVX512-BF16: torch.ops.xllm.varlen_attention
 # (packed prompts) and prefix_attention (a beam round's prompt stage).
 _varlen = None
 _prefix = None
@@ -111,7 +112,7 @@ def build() -> str:
 
 
 def _working_attention():
-    """Our attention operators if this build has them (CPUs with AMX) and they run here."""
+    """Our attention operators if this build has them (CPUs with AVX512-BF16) and they run here."""
     varlen = getattr(torch.ops.xllm, "varlen_attention", None)
     prefix = getattr(torch.ops.xllm, "prefix_attention", None)
     if varlen is not None and prefix is not None:
@@ -122,8 +123,9 @@ def _working_attention():
         except RuntimeError as exc:
             log.warning("attention kernels unusable here: %s", exc)
             varlen = prefix = None
-    log.info("packed attention: %s", "our AMX kernels, one call a batch" if varlen is not None
-             else "torch's kernel, a call per prompt length (no AMX here)")
+    isa = "AMX" if "amx_bf16" in _cpu_flags().split() else "AVX512-BF16"
+    log.info("packed attention: %s", f"our {isa} kernels, one call a batch" if varlen is not None
+             else "torch's kernel, a call per prompt length (no AVX512-BF16 here)")
     return varlen, prefix
 
 

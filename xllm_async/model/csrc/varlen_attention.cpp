@@ -15,11 +15,17 @@
 // values (a second tile product). Each prompt's rows are computed apart from the others', so a
 // prompt's result never depends on the batch around it. 16 x 320 tokens: 4.2 ms a layer.
 //
-// Built only where the compiler targets AMX-BF16 and AVX512-BF16 (-march=native on a CPU that
-// has them); elsewhere the operator is absent and attention.py keeps torch's kernel (an
-// AVX512-BF16 version without AMX measured slower than torch's kernel with AMX here).
+// Two ways to compute a block's products, picked when the library is compiled (-march=native):
+// - on CPUs with AMX, tile products (block_amx);
+// - on CPUs with AVX512-BF16 but no AMX (AMD EPYC Zen 4/5 here), dot products of bfloat16 pairs
+//   on 16 lanes (block_dot), over the same packed keys and values: there torch's fused kernel has
+//   no tiles either and was half of a bfloat16 prefill (16 x 320 tokens of the 4-layer model:
+//   12.6 ms a layer, perf/RESULTS.md, fourteenth session).
+// Elsewhere the operators are absent and attention.py keeps torch's kernel (an AVX512-BF16
+// version measured slower than torch's kernel with AMX on the Intel Xeon, so CPUs with AMX keep
+// the tiles).
 
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -196,6 +202,8 @@ void pack(const Packed& a, Scratch& s, const KeySpan& kv, int64_t length, int64_
   }
 }
 
+#if defined(__AMX_BF16__)
+
 // AMX: a tile is 16 rows of 64 bytes; one tile product adds a [16 x 32] bfloat16 block times a
 // [32 x 16] one (stored as 16 rows of pairs) into [16 x 16] float32, 16 times the work of an
 // AVX512 dot product a step. Tiles 0-3 accumulate, 4-5 hold two tiles of query rows (or of their
@@ -303,6 +311,103 @@ class Tiles {
   TileConfig saved_;
 };
 
+#else  // AVX512-BF16 without AMX
+
+// No tile state to ask Linux for, and none to set up around a call.
+bool amx_permitted() { return true; }
+struct Tiles {};
+
+// One dot product of bfloat16 pairs adds, in each of 16 float32 lanes, a[2i] b[2i] + a[2i+1] b[2i+1]:
+// with a row's pair (2 dims, or 2 keys' probabilities) in every lane, against 16 keys' (or 16
+// dims') pairs packed side by side, it is one step of 16 scores (or outputs).
+inline __m512bh pair_of(const bf16* p) {
+  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+
+inline __m512bh vector_at(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// Scores of query rows [r0, r0 + R) against keys [k0, k0 + 16 N): R x N accumulators, so that
+// each loaded vector of keys serves R rows and each broadcast row pair N vectors of keys.
+template <int R, int N>
+inline void scores_dot(const bf16* qs, const bf16* kp, int64_t wide, int64_t k0, float* scores, int64_t width) {
+  __m512 acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
+  const bf16* keys = kp + k0 * wide;  // block k0 / 16 of [block][dim pair][key][2]
+  for (int64_t p = 0; p < wide / 2; ++p) {
+    __m512bh kv[N];
+    for (int n = 0; n < N; ++n) kv[n] = vector_at(keys + n * kKeys * wide + p * 2 * kKeys);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv = pair_of(qs + r * wide + 2 * p);
+      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], qv, kv[n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < N; ++n) _mm512_storeu_ps(scores + r * width + k0 + n * kKeys, acc[r][n]);
+}
+
+// Outputs of rows [0, R) (probabilities `probs`, `width` apart) at dims [d0, d0 + 16 N) over
+// `width` keys (key pairs of [key pair][dim][2] values), times each row's 1 / total, as bfloat16.
+template <int R, int N>
+inline void values_dot(const Block& b, int r0, const bf16* probs, const bf16* vp, int64_t wide, int64_t d0,
+                       int64_t width, int64_t dim, const float* inverse) {
+  __m512 acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 2) {
+    const bf16* pairs = vp + (j / 2) * wide * 2 + d0 * 2;
+    __m512bh vv[N];
+    for (int n = 0; n < N; ++n) vv[n] = vector_at(pairs + n * 2 * kKeys);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pv = pair_of(probs + (r0 + r) * width + j);
+      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], pv, vv[n]);
+    }
+  }
+  for (int r = 0; r < R && r0 + r < b.rows; ++r) {
+    const __m512 scale = _mm512_set1_ps(inverse[r0 + r]);
+    for (int n = 0; n < N; ++n) {
+      const int64_t d = d0 + n * kKeys;
+      if (d < dim) xllm_simd::store_bf16(b.out[r0 + r] + d, _mm512_mul_ps(acc[r][n], scale), xllm_simd::lanes(dim - d));
+    }
+  }
+}
+
+// A block of up to 32 query rows on AVX512-BF16 dot products: scores 4 rows x 64 keys at a time
+// (16 accumulators, 4 vectors of keys, a broadcast: 21 of the 32 registers), the softmax as on
+// AMX, then outputs 4 rows x 64 dims (or 8 rows x 32 dims for narrow heads). Rows past b.rows
+// repeat the last one (attend_rows), so whole groups of 4 or 8 rows are always real queries.
+void block_dot(const Packed& a, Scratch& s, const Block& b) {
+  const int64_t wide = a.wide;
+  const int64_t width = (b.span + kKeys - 1) / kKeys * kKeys;  // whole vectors of scores
+  const bf16* qs = s.queries.data();
+  const bf16* kp = s.keys.data();
+  const bf16* vp = s.values.data();
+  float* scores = s.scores.data();
+  bf16* probs = s.probs.data();
+  const int rows4 = (b.rows + 3) / 4 * 4;
+  for (int r0 = 0; r0 < rows4; r0 += 4) {
+    const bf16* q4 = qs + r0 * wide;
+    float* s4 = scores + r0 * width;
+    int64_t k0 = 0;
+    for (; k0 + 4 * kKeys <= width; k0 += 4 * kKeys) scores_dot<4, 4>(q4, kp, wide, k0, s4, width);
+    for (; k0 < width; k0 += kKeys) scores_dot<4, 1>(q4, kp, wide, k0, s4, width);
+  }
+  float inverse[kBlockRows];
+  softmax_rows(b, b.rows, scores, probs, width, a.scale, inverse);
+  // Probability rows past b.rows are read by the last group of 4 (8): give them the last real
+  // row's, so that no stale scratch (perhaps NaN) is multiplied.
+  const int rows8 = (b.rows + 7) / 8 * 8;
+  for (int r = b.rows; r < std::min(rows8, kBlockRows); ++r)
+    std::memcpy(probs + r * width, probs + (b.rows - 1) * width, width * sizeof(bf16));
+  int64_t d0 = 0;
+  for (; d0 + 64 <= wide; d0 += 64)
+    for (int r0 = 0; r0 < rows4; r0 += 4) values_dot<4, 4>(b, r0, probs, vp, wide, d0, width, a.dim, inverse);
+  if (d0 < wide)  // the last 32 dims (wide is a multiple of 32)
+    for (int r0 = 0; r0 < rows8; r0 += 8) values_dot<8, 2>(b, r0, probs, vp, wide, d0, width, a.dim, inverse);
+}
+
+#endif  // __AMX_BF16__
+
 // Query rows [0, rows) of one key head against its `length` keys (packed into s already): a
 // block of 32 at a time; row_at(r, b, i) fills slot i of block b with row r's query, output,
 // log-sum-exp and the keys it sees.
@@ -313,7 +418,11 @@ void attend_rows(const Packed& a, Scratch& s, int64_t rows, const RowAt& row_at)
     b.rows = static_cast<int>(std::min<int64_t>(kBlockRows, rows - r0));
     for (int i = 0; i < kBlockRows; ++i) row_at(std::min(r0 + i, rows - 1), b, i);  // (a short block repeats its last row)
     b.span = *std::max_element(b.seen, b.seen + kBlockRows);
+#if defined(__AMX_BF16__)
     block_amx(a, s, b);
+#else
+    block_dot(a, s, b);
+#endif
   }
 }
 
@@ -448,4 +557,4 @@ TORCH_LIBRARY_IMPL(xllm, CPU, m) {
   m.impl("prefix_attention", &prefix_attention);
 }
 
-#endif  // __AMX_BF16__ && __AVX512BF16__
+#endif  // __AVX512BF16__
