@@ -46,7 +46,7 @@ from datetime import datetime
 
 import bench_serving as bench
 import servers
-from cli import positive_ints
+from cli import cpu_model, positive_ints
 
 RESULTS = os.path.join(servers.PERF_DIR, "results", "beams")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -321,16 +321,8 @@ def save(rows: list[dict], args: argparse.Namespace, setup: Setup) -> str:
         writer.writerows(rows)
     with open(stem + ".json", "w") as f:
         json.dump({"model": setup.model, "server_args": setup.server_args, "item_table": setup.table_path,
-                   "args": vars(args), "cpu": cpu_name(), "rows": rows}, f, indent=1)
+                   "args": vars(args), "cpu": cpu_model(), "rows": rows}, f, indent=1)
     return stem
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 # --- command line ----------------------------------------------------------------------------
@@ -395,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
     servers.interrupt_on_sigterm()
     setup = make_setup(args)
-    print(f"model {setup.model}, item table {setup.table_path}, CPU {cpu_name()}", flush=True)
+    print(f"model {setup.model}, item table {setup.table_path}, CPU {cpu_model()}", flush=True)
     rows: list[dict] = []
     try:
         if args.table:
@@ -412,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     table_rows = [row for row in rows if row["part"] == "table"]
     print(f"\n{args.prompt_tokens}-token prompts, {args.rounds} rounds, every beam returned, one request at a time, "
-          f"median of {args.repetitions}; dtype {args.dtype}; CPU {cpu_name()}")
+          f"median of {args.repetitions}; dtype {args.dtype}; CPU {cpu_model()}")
     if table_rows:
         print(format_table(table_rows))
     for row in rows:

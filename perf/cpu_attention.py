@@ -14,13 +14,13 @@ of --repeats medians of --runs calls, in milliseconds.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from cli import cpu_model
 
 import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
 from xllm_async.model import attention, cpu_kernels
@@ -75,7 +75,7 @@ def main() -> None:
     if not cpu_kernels.available() or cpu_kernels.varlen_attention() is None:
         raise SystemExit("our attention kernels are not available here (they need AMX)")
     rng = random.Random(0)
-    print(f"{platform.processor() or 'CPU'}, {args.threads} thread(s), bfloat16, ms\n")
+    print(f"{cpu_model()}, {args.threads} thread(s), bfloat16, ms\n")
     print("| case | torch | ours |\n|---|---|---|")
     for heads, kv_heads, dim in ((8, 4, 32), (16, 8, 128)):
         for name, lengths in (("16 x 320", [320] * 16), ("16 of 30-608", [rng.randint(30, 608) for _ in range(16)])):

@@ -22,18 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import prometheus_client  # noqa: E402
+from cli import cpu_model  # noqa: E402
 
 from xllm_async import metrics as ours  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def request_of(finished, ttft, e2e, queue, prefill, batch, prompt, tokens):

@@ -17,28 +17,16 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 from datetime import datetime
 
 import bench_serving as bench
-from cli import positive_floats
+from cli import cpu_model, positive_floats
 from servers import PERF_DIR, ensure_model, running_server, server_command, server_log
 from sweep import parse_configs
 
 DEFAULT_CONFIGS = ["continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1",
                    "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2"]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 async def measure(base_url: str, prompts: list, tokenizer, rate: float | None, concurrency: int | None) -> dict:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import uvloop  # noqa: E402
+from cli import cpu_model  # noqa: E402
 
 from xllm_async.http import protocol as current  # noqa: E402
 from xllm_async.http.protocol import HttpLimits  # noqa: E402
@@ -38,13 +39,6 @@ REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nUser-
            b"Accept: application/json\r\nContent-Type: application/json\r\nX-Request-Id: abc-123\r\n"
            b"Content-Length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)
 ANSWER = b'{"id":"x","object":"chat.completion","choices":[]}'
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def load_protocol_at(commit: str):

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 
 import bench_serving as bench
 import servers
+from cli import cpu_model
 from sweep import parse_configs, safe_name
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     tokenizer = bench.load_tokenizer(args.model)
     fixed, mixed = fixed_and_mixed(tokenizer, args)
     tokens = [sum(p.prompt_len for p in prompts) for prompts in (fixed, mixed)]
-    print(f"{platform.processor() or 'CPU'}; {args.num_prompts} prompts a pass, fixed {tokens[0]} tokens, "
+    print(f"{cpu_model()}; {args.num_prompts} prompts a pass, fixed {tokens[0]} tokens, "
           f"mixed {tokens[1]} tokens; concurrency {args.concurrency}", flush=True)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     for round_index in range(1, args.rounds + 1):

@@ -39,7 +39,7 @@ from datetime import datetime
 
 import bench_serving as bench
 import servers
-from cli import positive_ints
+from cli import cpu_model, positive_ints
 
 DEFAULT_CONFIGS = (
     "continuous-N1=--scheduler continuous --concurrent-execute-stream-num 1",
@@ -176,6 +176,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, list[str]], csv_log: 
                                         args.random_range_ratio, seed=args.seed)
     rows = []
     answers = OutputCheck()
+    print(f"CPU: {cpu_model()}", flush=True)
     for round_index in range(1, args.rounds + 1):
         for name, server_args in configs.items():
             print(f"round {round_index}/{args.rounds}: {name} ({shlex.join(server_args)})", flush=True)
