@@ -188,28 +188,30 @@ def test_families_we_run_and_those_left_to_transformers():
 
 
 def _packings() -> list[str]:
-    """The packed linears this machine can run: "amx" only where our kernel loaded and works."""
+    """The packed linears this machine can run: "ours" only where our kernel (AMX or AVX512-BF16)
+    loaded and works."""
     from xllm_async.model import cpu_kernels
 
-    kinds = ["amx"] if cpu_kernels.amx_linear_works() else []
+    kinds = ["ours"] if cpu_kernels.our_linear() is not None else []
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         kinds.append("onednn")
     return kinds
 
 
-@pytest.mark.parametrize("kind", ["amx", "onednn"])
+@pytest.mark.parametrize("kind", ["ours", "onednn"])
 def test_packed_linears_compute_what_plain_ones_do(kind):
-    """Every row count (a block of 32 rows and its tail, and beyond AMX_MAX_ROWS), a last column
-    block part padding, a bias, rows in three dimensions: within bfloat16 rounding of the plain
-    layer's float32 product."""
-    from xllm_async.model.layers import AMX_MAX_ROWS, Linear, pack_linears
+    """Every row count (a block of 32 rows and its tail, groups of 4 rows and their tails, and
+    beyond our linear's rows), a last column block part padding, a bias, rows in three dimensions:
+    within bfloat16 rounding of the plain layer's float32 product."""
+    from xllm_async.model.layers import OUR_MAX_ROWS, Linear, pack_linears
 
     if kind not in _packings():
         pytest.skip(f"no {kind} linear on this machine")
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
     with torch.inference_mode():
-        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 5, 32, 33, 100, AMX_MAX_ROWS + 3)]
+        beyond_ours = max(OUR_MAX_ROWS.values()) + 3
+        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 2, 3, 5, 32, 33, 100, beyond_ours)]
         plain = [F.linear(x.float(), layer.weight.float(), layer.bias.float()) for x in inputs]
         assert pack_linears(layer, kind) == 1 and layer.weight is None
         for x, want in zip(inputs, plain):
@@ -218,15 +220,15 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
         assert torch.equal(layer(x), layer(x.view(6, 64)).view(2, 3, 96))
 
 
-def test_amx_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(tiny_model_dir):
+def test_our_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(tiny_model_dir):
     """A beam round walks the vocabulary in blocks of columns: from a 64-column boundary the packed
     head serves them; elsewhere the plain head does. Either way they are the whole logits' columns."""
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if "amx" not in _packings():
-        pytest.skip("no AMX linear on this machine")
+    if "ours" not in _packings():
+        pytest.skip("no linear of ours on this machine")
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
-    assert runner.model.packed_lm_head.kind == "amx"
+    assert runner.model.packed_lm_head.kind == "ours"
     hidden = torch.randn(7, runner.model.shape.hidden).bfloat16()
     with torch.inference_mode():
         whole = runner.logits(hidden, as_float=False)
@@ -300,12 +302,12 @@ def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
         assert n <= padded < n * 5 / 4 + 1 and padded_rows(padded) == padded
 
 
-@pytest.mark.parametrize("kind", ["amx", "onednn"])
+@pytest.mark.parametrize("kind", ["ours", "onednn"])
 def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_dir, monkeypatch, kind):
     """oneDNN compiles a kernel per row count: packed prompts (and decode steps of more than
-    EXACT_ROWS rows) go through the layers padded, and the padding changes no answer. Our AMX
-    linear takes up to AMX_MAX_ROWS; more go to oneDNN (F.linear on the plain weight)."""
-    from xllm_async.model import layers
+    EXACT_ROWS rows) go through the layers padded, and the padding changes no answer. Our linear
+    takes up to its OUR_MAX_ROWS; more go to oneDNN (F.linear on the plain weight)."""
+    from xllm_async.model import cpu_kernels, layers
     from xllm_async.runtime import model_runner
 
     if kind not in _packings():
@@ -314,11 +316,11 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     runner.set_kv_cache(64 << 20, 1)
     seen: list[int] = []  # the rows of every packed linear call
-    namespace, name = (torch.ops.xllm, "amx_linear") if kind == "amx" else (torch.ops.mkldnn, "_linear_pointwise")
+    namespace, name = (torch.ops.xllm, "linear") if kind == "ours" else (torch.ops.mkldnn, "_linear_pointwise")
     kernel = getattr(namespace, name)
     monkeypatch.setattr(namespace, name, lambda x, *rest: seen.append(x.shape[0]) or kernel(x, *rest))
-    beyond: list[int] = []  # the rows of every oneDNN linear call past our AMX linear
-    if kind == "amx":
+    beyond: list[int] = []  # the rows of every oneDNN linear call past our linear
+    if kind == "ours":
         onednn = torch.ops.mkldnn._linear_pointwise
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                             lambda x, *rest: beyond.append(x.shape[0]) or onednn(x, *rest))
@@ -342,9 +344,10 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     assert max(layer_rows) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in layer_rows)
     assert layers.padded_rows(tokens) != tokens and tokens not in layer_rows and 70 not in layer_rows  # padded
     assert batched == [greedy([p])[0] for p in prompts]
-    if kind == "amx":  # a prompt alone (3-9 rows) on ours, the batch's 72-448 rows on oneDNN's; the
+    if kind == "ours":  # a prompt alone (3-9 rows) on ours, the batch's 72-448 rows on oneDNN's; the
         # LM head (no second copy) takes the batch's 70 last rows on ours, as they are
-        assert min(beyond) > layers.AMX_MAX_ROWS and {n for n in seen if n > layers.AMX_MAX_ROWS} == {70}
+        most = layers.OUR_MAX_ROWS[cpu_kernels.our_linear()]
+        assert min(beyond) > most and {n for n in seen if n > most} == {70}
 
 
 def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeypatch):

@@ -6,7 +6,8 @@ whole batch of packed prompts in one call and a beam round's prompt stage
 (csrc/varlen_attention.cpp; since the fourteenth also on CPUs with AVX512-BF16 and no AMX, on dot
 products instead of tiles); on CPUs with AVX512-BF16, a decode step's attention in one call
 (csrc/decode_attention.cpp) and a beam round's top k with its log-sum-exp (csrc/beam_topk.cpp).
-Since the thirteenth, on CPUs with AMX: the bfloat16 linear layers (csrc/amx_linear.cpp).
+Since the thirteenth, a decode step's bfloat16 linear layers and the LM head (csrc/linear.cpp): on
+AMX where the CPU has it, since the fourteenth on AVX512-BF16 where it has only that.
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -31,8 +32,9 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-# Every source there goes into the one library: the attention, beam top-k and decode attention
-# operators exist only on CPUs with AVX512-BF16 (the prefill attention on AMX tiles where there are).
+# Every source there goes into the one library: the attention, beam top-k, decode attention and
+# linear operators exist only on CPUs with AVX512-BF16 (the prefill attention and the linear on AMX
+# where the CPU has it).
 SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp")))
 
 
@@ -51,7 +53,9 @@ _varlen = None
 _prefix = None
 _topk = None  # torch.ops.xllm.topk_logsumexp, where this CPU has AVX512-BF16
 _decode = None  # torch.ops.xllm.decode_attention, likewise
-_amx_linear = False  # torch.ops.xllm.amx_linear, where this CPU has AMX and it ran
+# Where torch.ops.xllm.linear loaded and computed right: the instruction set it runs on here
+# ("amx" or "avx512_bf16"), else None.
+_linear_isa: str | None = None
 
 
 def _cpu_flags() -> str:
@@ -129,27 +133,28 @@ def _working_attention():
     return varlen, prefix
 
 
-def _working_amx_linear() -> bool:
-    """Our AMX linear (csrc/amx_linear.cpp) if this build has it and it computes here: torch's
-    brgemm needs oneDNN enabled and AMX granted by Linux."""
-    if not hasattr(torch.ops.xllm, "amx_linear"):
-        return False
+def _working_linear() -> str | None:
+    """Our linear (csrc/linear.cpp)'s instruction set if this build has it and it computes here
+    (on AMX, torch's brgemm needs oneDNN enabled and AMX granted by Linux); else None."""
+    if not hasattr(torch.ops.xllm, "linear"):
+        return None
+    isa = torch.ops.xllm.linear_isa()
     try:
         weight = torch.ones(3, 4, dtype=torch.bfloat16)
-        out = torch.ops.xllm.amx_linear(torch.ones(2, 4, dtype=torch.bfloat16), torch.ops.xllm.amx_pack(weight),
-                                        None, 3)
+        out = torch.ops.xllm.linear(torch.ones(2, 4, dtype=torch.bfloat16), torch.ops.xllm.pack_linear(weight),
+                                    None, 3)
     except RuntimeError as exc:
-        log.warning("AMX linear unusable here: %s", exc)
-        return False
+        log.warning("our %s linear unusable here: %s", isa, exc)
+        return None
     if not bool((out == 4).all()):
-        log.warning("AMX linear computed wrong here: oneDNN's linear serves")
-        return False
-    return True
+        log.warning("our %s linear computed wrong here: oneDNN's linear serves", isa)
+        return None
+    return isa
 
 
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix, _topk, _decode, _amx_linear
+    global _loaded, _varlen, _prefix, _topk, _decode, _linear_isa
     with _lock:
         if _loaded is None:
             try:
@@ -158,16 +163,17 @@ def available() -> bool:
                 _varlen, _prefix = _working_attention()
                 _topk = getattr(torch.ops.xllm, "topk_logsumexp", None)
                 _decode = getattr(torch.ops.xllm, "decode_attention", None)
-                _amx_linear = _working_amx_linear()
+                _linear_isa = _working_linear()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
         return _loaded
 
 
-def amx_linear_works() -> bool:
-    """Whether our AMX linear (csrc/amx_linear.cpp) loaded and computes here."""
-    return available() and _amx_linear
+def our_linear() -> str | None:
+    """The instruction set our linear (csrc/linear.cpp) computes on here, "amx" or "avx512_bf16",
+    once the library loaded and the linear ran right; else None."""
+    return _linear_isa if available() else None
 
 
 def varlen_attention():

@@ -24,44 +24,50 @@ class Linear(nn.Linear):
 
 class PackedWeight:
     """A [out, in] weight laid out for the bfloat16 CPU linears:
-    - "amx": our AMX linear (csrc/amx_linear.cpp, torch's brgemm micro-kernel), with a fixed set of
-      small kernels whatever the number of rows: 1.5-2.4x oneDNN's linear for a decode step's 1-32
-      rows. From a few dozen rows on oneDNN's blocking wins (SmolLM2, one 128-token prompt: 36
-      against 41 ms; 5,120 rows of 256 -> 1,536 on two threads: 1.2 against 1.55 ms), so a layer
-      keeps oneDNN's packed weight too (`onednn`: a second copy) for more than AMX_MAX_ROWS rows.
-      The LM head keeps no second copy: its rows are a batch's last tokens or a beam round's beams;
-    - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs without AMX: 1.4-2x faster than
-      aten's for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a prefill's.
+    - "ours": our linear (csrc/linear.cpp): on AMX over torch's brgemm micro-kernel, on CPUs with
+      AVX512-BF16 but no AMX over our own vdpbf16ps loop; nothing compiled per row count, no
+      set-up per call: on AMX 1.5-2.4x oneDNN's linear for a decode step's 1-32 rows, on
+      AVX512-BF16 (AMD Zen 5) 1.2-3x for 1-16 rows. From some rows on oneDNN's blocking wins, so a
+      layer keeps oneDNN's packed weight too (`onednn`: a second copy) for more than
+      `ours_max_rows` rows (OUR_MAX_ROWS, per instruction set). The LM head keeps no second copy:
+      its rows are a batch's last tokens or a beam round's beams;
+    - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs with neither: 1.4-2x faster
+      than aten's for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a
+      prefill's.
     oneDNN compiles a kernel per row count, so rows reach it padded to a few sizes (padded_rows)."""
 
-    __slots__ = ("amx", "onednn", "out_features")
+    __slots__ = ("ours", "onednn", "out_features", "ours_max_rows")
 
     def __init__(self, weight: torch.Tensor, kind: str, both: bool = True) -> None:
+        from . import cpu_kernels
+
         self.out_features = weight.shape[0]
-        self.amx = torch.ops.xllm.amx_pack(weight.detach().contiguous()) if kind == "amx" else None
+        self.ours = torch.ops.xllm.pack_linear(weight.detach().contiguous()) if kind == "ours" else None
+        self.ours_max_rows = OUR_MAX_ROWS[cpu_kernels.our_linear()] if kind == "ours" else 0
         self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
                        if kind == "onednn" or both else None)
 
     @property
     def kind(self) -> str:
-        return "amx" if self.amx is not None else "onednn"
+        return "ours" if self.ours is not None else "onednn"
 
     def columns(self, start: int, end: int) -> PackedWeight | None:
         """The output columns [start, end) as a weight of their own, sharing this one's memory
-        (only our AMX layout, from a 64-column block's start); None where that cannot be."""
-        if self.amx is None or start % AMX_COLUMNS or not 0 <= start < end <= self.out_features:
+        (only our layout, from a 64-column block's start); None where that cannot be."""
+        if self.ours is None or start % OUR_COLUMNS or not 0 <= start < end <= self.out_features:
             return None
         part = PackedWeight.__new__(PackedWeight)
-        part.out_features, part.onednn = end - start, None
-        part.amx = self.amx[start // AMX_COLUMNS:-(-end // AMX_COLUMNS)]
+        part.out_features, part.onednn, part.ours_max_rows = end - start, None, self.ours_max_rows
+        part.ours = self.ours[start // OUR_COLUMNS:-(-end // OUR_COLUMNS)]
         return part
 
 
-AMX_COLUMNS = 64  # the column block of csrc/amx_linear.cpp's packed weights
-# The most rows our AMX linear takes where a layer also has oneDNN's weight. Measured here (two
-# threads): ours ahead at 32 rows for every SmolLM2 and 4-layer shape (1.5-2.1x), behind for
-# 576 -> 3,072 at 100 rows (0.9x).
-AMX_MAX_ROWS = 64
+OUR_COLUMNS = 64  # the column block of csrc/linear.cpp's packed weights
+# The most rows our linear takes where a layer also has oneDNN's weight, per instruction set
+# (cpu_kernels.our_linear()). AMX, measured on an Intel Xeon (two threads): ours ahead at 32 rows
+# for every SmolLM2 and 4-layer shape (1.5-2.1x), behind for 576 -> 3,072 at 100 rows (0.9x).
+# AVX512-BF16: AMX's figure until measured (next commit).
+OUR_MAX_ROWS = {"amx": 64, "avx512_bf16": 64}
 
 # The batch size oneDNN's packed layout is tuned for: a large one serves every size (a layout tuned
 # for 1 row made 5,000-row prefills 1.6x slower here; one tuned for 5,000 made decode no slower).
@@ -72,22 +78,22 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if x.dim() != 2:
         return packed_linear(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
     rows = x.shape[0]
-    if packed.amx is not None and (rows <= AMX_MAX_ROWS or packed.onednn is None):
-        return torch.ops.xllm.amx_linear(x, packed.amx, bias, packed.out_features)
+    if packed.ours is not None and (rows <= packed.ours_max_rows or packed.onednn is None):
+        return torch.ops.xllm.linear(x, packed.ours, bias, packed.out_features)
     out = torch.ops.mkldnn._linear_pointwise(rows_padded(x), packed.onednn, bias, "none", [], "")
     return out if out.shape[0] == rows else out[:rows]
 
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Which packed linear serves this device and dtype: "amx" where our AMX kernel loaded and ran,
-    else "onednn" where torch has oneDNN's; None: plain F.linear (float32 and accelerators: float32
-    was mixed with oneDNN, faster at 8 rows, slower at 1)."""
+    """Which packed linear serves this device and dtype: "ours" where our kernel (AMX or
+    AVX512-BF16) loaded and ran, else "onednn" where torch has oneDNN's; None: plain F.linear
+    (float32 and accelerators: float32 was mixed with oneDNN, faster at 8 rows, slower at 1)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
     from . import cpu_kernels
 
-    if cpu_kernels.amx_linear_works():
-        return "amx"
+    if cpu_kernels.our_linear() is not None:
+        return "ours"
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "onednn"
     return None
@@ -132,7 +138,7 @@ def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int
             for count in sorted(thread_counts):
                 torch.set_num_threads(count)
                 for module in layers.values():
-                    for size in sizes:  # (beyond AMX_MAX_ROWS: packed_linear takes oneDNN's)
+                    for size in sizes:  # (beyond ours_max_rows: packed_linear takes oneDNN's)
                         packed_linear(torch.zeros(size, module.in_features, dtype=torch.bfloat16), module.packed,
                                       module.bias)
     finally:
@@ -149,7 +155,7 @@ def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int
 # on average): 36 sizes up to 8,192 rows, each compiled once. Up to EXACT_ROWS (the decode steps
 # of a few clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of
 # 64 x 64, 2.4 MB a row count), so every size costs memory, and sizes first met late in a soak
-# are its growth. Our AMX linear has none of this, but the rows beyond AMX_MAX_ROWS still reach
+# are its growth. Our linear has none of this, but the rows beyond OUR_MAX_ROWS still reach
 # oneDNN, and padding a prefill's rows once (CausalLM.forward) saves padding them at every layer;
 # the larger sizes are compiled at start-up (warm_onednn).
 EXACT_ROWS = 16

@@ -1,0 +1,236 @@
+// Our bfloat16 linear layer for any number of rows, on AMX (over oneDNN's brgemm micro-kernel,
+// torch's at::native::cpublas::brgemm) or, on CPUs with AVX512-BF16 but no AMX, on our own
+// vdpbf16ps loop. model/layers.py uses it where this CPU has either.
+//
+// Why not oneDNN's linear primitive (torch.ops.mkldnn._linear_pointwise): it compiles a kernel
+// for every number of rows it meets, ~0.6 MB each, and a server meets hundreds of row counts
+// (packed prompts, decode steps, beam rounds) over hours: that was most of a 10,000-request soak's
+// growth, and the first batch of each new size paid ~5 ms of compiling. Here nothing is compiled
+// per row count: on AMX the work is cut into blocks of at most 32 rows x 64 columns, so the
+// micro-kernels are keyed only by the rows of the last block (1-32) and the input width (a few
+// dozen small kernels per thread, met in the first minutes); on AVX512-BF16 the loop is ours.
+// A decode step's few rows also skip the primitive's ~15 us of set-up. From a few dozen rows on
+// oneDNN's primitive wins, so layers.py gives ours a decode step's rows and the LM head (the row
+// counts per instruction set there, measured in perf/RESULTS.md).
+//
+// Weights are packed once (pack_linear) into column blocks of 64, each [K/2][64][2] bfloat16
+// (the pairs both AMX and vdpbf16ps multiply: a k pair of 16 columns is one 64-byte vector),
+// zero columns padding the last block; a range of whole blocks is a packed weight of its own
+// (layers.PackedWeight.columns). Products accumulate in float32; the bias is added in float32
+// and the sum rounded once to bfloat16 (to nearest even), as oneDNN's linear does.
+
+#include <ATen/ATen.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#if defined(__AVX512BF16__)
+#include "avx512_bf16.h"
+
+#if defined(__AMX_BF16__)
+#include <ATen/native/CPUBlas.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 64;  // a column block: one packed weight block
+constexpr int64_t kRows = 32;  // rows a block product (on AMX: two tiles of 16)
+// Packed weights a thread keeps in its L2 while every row block passes them (bytes).
+constexpr int64_t kWeightChunk = 1 << 20;
+
+#if defined(__AMX_BF16__)
+
+// torch's packer for its brgemm (it exists only where AMX does).
+void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k] of the weight
+  auto block = rows.t().contiguous();                          // [k, 64]: B of x @ B
+  at::native::cpublas::pack(block.size(0), kCols, kCols, kCols, at::kBFloat16, at::kBFloat16, block.data_ptr(), out);
+}
+
+// Rows [0, rows) of a (k wide) times one packed block, + bias, rounded into out (n wide) from
+// column n0: cols of the block's 64 are real.
+struct BlockProduct {
+  int64_t k, n;
+  const float* bias;
+
+  void operator()(const at::BFloat16* a, int64_t rows, const at::BFloat16* w, uint16_t* out, int64_t n0,
+                  int64_t cols) const {
+    alignas(64) float acc[kRows * kCols];
+    at::native::cpublas::brgemm(rows, kCols, k, k, kCols, kCols, false, a, w, acc, true);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* dst = out + r * n + n0;
+      const float* src = acc + r * kCols;
+      for (int64_t j = 0; j < cols; j += 16) {
+        const __mmask16 live = xllm_simd::lanes(cols - j);
+        __m512 v = _mm512_maskz_loadu_ps(live, src + j);
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + n0 + j));
+        xllm_simd::store_bf16(dst + j, v, live);
+      }
+    }
+  }
+
+  // Other AMX code (oneDNN's primitives) loads its own tile layout without telling torch's
+  // brgemm, which would then skip reloading ours: give the tiles back after every call.
+  static void finish() { at::native::cpublas::brgemm_release(true); }
+};
+
+#else  // AVX512-BF16 without AMX
+
+// The [K/2][64][2] layout by hand: a column's k pair is one 32-bit word, so a block is a
+// transpose of 32-bit words ([64][K/2] -> [K/2][64]). Runs once per weight, at load.
+void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k], contiguous
+  const int64_t pairs = rows.size(1) / 2;
+  const auto* src = reinterpret_cast<const uint32_t*>(rows.data_ptr());
+  auto* dst = reinterpret_cast<uint32_t*>(out);
+  for (int64_t c = 0; c < kCols; ++c)
+    for (int64_t p = 0; p < pairs; ++p) dst[p * kCols + c] = src[c * pairs + p];
+}
+
+constexpr int kVectors = kCols / 16;  // a block's 64 columns: four vectors of 16 float32 sums
+constexpr int kRowGroup = 4;          // rows sharing each weight vector load: 16 accumulators
+
+// R rows (1-4) of a times one block, all 64 columns in registers: each k pair loads the block's
+// four vectors once and multiplies each row's pair (broadcast) into them, so a group of rows
+// shares each load. (Keeping two or four sums per column apart for one row, so that more products
+// are in flight, measured no faster: a row's weights come from L3 or DRAM slower than that.)
+template <int R>
+void row_group(const uint16_t* a, int64_t k, const uint16_t* w, uint16_t* out, int64_t n, int64_t n0, int64_t cols,
+               const float* bias) {
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + (p * kCols + v * 16) * 2);
+    for (int r = 0; r < R; ++r) {
+      const auto pair = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + r * k + 2 * p));
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair, wv[v]);
+    }
+  }
+  for (int v = 0; v < kVectors && v * 16 < cols; ++v) {
+    const __mmask16 live = xllm_simd::lanes(cols - v * 16);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) xllm_simd::store_bf16(out + r * n + n0 + v * 16, _mm512_add_ps(acc[r][v], b), live);
+  }
+}
+
+struct BlockProduct {
+  int64_t k, n;
+  const float* bias;
+
+  void operator()(const at::BFloat16* a_, int64_t rows, const at::BFloat16* w_, uint16_t* out, int64_t n0,
+                  int64_t cols) const {
+    const auto* a = reinterpret_cast<const uint16_t*>(a_);
+    const auto* w = reinterpret_cast<const uint16_t*>(w_);
+    int64_t r = 0;
+    for (; r + kRowGroup <= rows; r += kRowGroup) row_group<kRowGroup>(a + r * k, k, w, out + r * n, n, n0, cols, bias);
+    switch (rows - r) {
+      case 3: row_group<3>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      case 2: row_group<2>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      case 1: row_group<1>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      default: break;
+    }
+  }
+
+  static void finish() {}
+};
+
+#endif
+
+at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_linear: a 2-d bfloat16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % 2 == 0, "pack_linear: the input width must be even (bfloat16 pairs)");
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  auto padded = at::zeros({blocks * kCols, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  auto packed = at::empty({blocks, k * kCols}, weight.options());
+  for (int64_t b = 0; b < blocks; ++b)
+    pack_block(padded.narrow(0, b * kCols, kCols), reinterpret_cast<at::BFloat16*>(packed[b].data_ptr()));
+  return packed;
+}
+
+// One thread's share: row blocks [row_first, row_last) x column blocks [col_first, col_last).
+struct Share {
+  int64_t row_first, row_last, col_first, col_last;
+};
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && input.dim() == 2, "linear: 2-d bfloat16 rows");
+  auto x = input.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t col_blocks = packed.size(0);
+  TORCH_CHECK(packed.is_contiguous() && packed.size(1) == k * kCols && col_blocks * kCols >= n,
+              "linear: weight packed for another shape");
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  at::Tensor bias_f;
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    b = bias_f.data_ptr<float>();
+  }
+  const auto* a = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const at::BFloat16*>(packed.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const BlockProduct product{k, n, b};
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  const int64_t chunk = std::max<int64_t>(1, kWeightChunk / (2 * k * kCols));  // column blocks kept in L2
+
+  auto run = [&](const Share& s) {
+    for (int64_t c0 = s.col_first; c0 < s.col_last; c0 += chunk) {
+      const int64_t c1 = std::min(s.col_last, c0 + chunk);
+      for (int64_t rb = s.row_first; rb < s.row_last; ++rb) {
+        const int64_t r0 = rb * kRows, rows = std::min(kRows, m - r0);
+        for (int64_t cb = c0; cb < c1; ++cb)  // a row's columns of this chunk in one run
+          product(a + r0 * k, rows, w + cb * k * kCols, o + r0 * n, cb * kCols, std::min(kCols, n - cb * kCols));
+      }
+    }
+    BlockProduct::finish();
+  };
+
+  // Threads split the rows (each reads all the weights and its own rows) where the rows outnumber
+  // the columns, as in a long prefill through a narrow layer; otherwise the columns (each reads
+  // all the rows and its share of the weights), as in a decode step: whichever reads less.
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const bool by_rows = m > n && row_blocks >= threads;
+  const int used = static_cast<int>(std::min<int64_t>(threads, by_rows ? row_blocks : col_blocks));
+  auto share = [&](int t, int nt) {
+    if (by_rows) return Share{row_blocks * t / nt, row_blocks * (t + 1) / nt, 0, col_blocks};
+    return Share{0, row_blocks, col_blocks * t / nt, col_blocks * (t + 1) / nt};
+  };
+  if (used > 1) {
+#pragma omp parallel num_threads(used)
+    run(share(omp_get_thread_num(), omp_get_num_threads()));
+  } else {
+    run(share(0, 1));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(xllm, m) {
+  m.def("pack_linear(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  // Which instruction set linear runs on here: "amx" or "avx512_bf16".
+  m.def("linear_isa() -> str", []() -> std::string {
+#if defined(__AMX_BF16__)
+    return "amx";
+#else
+    return "avx512_bf16";
+#endif
+  });
+}
+
+TORCH_LIBRARY_IMPL(xllm, CPU, m) {
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
+}
+
+#endif
