@@ -344,10 +344,10 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     assert max(layer_rows) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in layer_rows)
     assert layers.padded_rows(tokens) != tokens and tokens not in layer_rows and 70 not in layer_rows  # padded
     assert batched == [greedy([p])[0] for p in prompts]
-    if kind == "ours":  # a prompt alone (3-9 rows) on ours, the batch's 72-448 rows on oneDNN's; the
-        # LM head (no second copy) takes the batch's 70 last rows on ours, as they are
+    if kind == "ours":  # a prompt alone (3-9 rows) on ours, more rows than ours takes on oneDNN's; the
+        # LM head (no second copy) takes the batch's 70 last rows on ours, as they are, whatever ours takes
         most = layers.OUR_MAX_ROWS[cpu_kernels.our_linear()]
-        assert min(beyond) > most and {n for n in seen if n > most} == {70}
+        assert beyond and min(beyond) > most and 70 in seen and {n for n in seen if n > most} <= {70}
 
 
 def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeypatch):

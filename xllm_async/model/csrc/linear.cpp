@@ -9,9 +9,11 @@
 // per row count: on AMX the work is cut into blocks of at most 32 rows x 64 columns, so the
 // micro-kernels are keyed only by the rows of the last block (1-32) and the input width (a few
 // dozen small kernels per thread, met in the first minutes); on AVX512-BF16 the loop is ours.
-// A decode step's few rows also skip the primitive's ~15 us of set-up. From a few dozen rows on
-// oneDNN's primitive wins, so layers.py gives ours a decode step's rows and the LM head (the row
-// counts per instruction set there, measured in perf/RESULTS.md).
+// A decode step's few rows also skip the primitive's ~15 us of set-up. oneDNN's primitive wins
+// from a few dozen rows on AMX (it rounds to bfloat16 inside its tile loop; ours takes a pass
+// after each block), from a few hundred on AVX512-BF16 (AMD Zen 5: both near the cores' peak,
+// oneDNN 2-8% ahead with a larger register block), so layers.py gives ours a decode step's rows
+// and the LM head (OUR_MAX_ROWS there, with the figures).
 //
 // Weights are packed once (pack_linear) into column blocks of 64, each [K/2][64][2] bfloat16
 // (the pairs both AMX and vdpbf16ps multiply: a k pair of 16 columns is one 64-byte vector),
