@@ -27,7 +27,7 @@ class PackedWeight:
     - "ours": our linear (csrc/linear.cpp): on AMX over torch's brgemm micro-kernel, on CPUs with
       AVX512-BF16 but no AMX over our own vdpbf16ps loop; nothing compiled per row count, no
       set-up per call: on AMX 1.5-2.4x oneDNN's linear for a decode step's 1-32 rows, on
-      AVX512-BF16 (AMD Zen 5) 1.15-3x for 1-16 rows. From some rows on oneDNN's blocking wins, so a
+      AVX512-BF16 (AMD Zen 5) 1.1-3x for 1-16 rows. From some rows on oneDNN's blocking wins, so a
       layer keeps oneDNN's packed weight too (`onednn`: a second copy) for more than
       `ours_max_rows` rows (OUR_MAX_ROWS, per instruction set). The LM head keeps no second copy:
       its rows are a batch's last tokens or a beam round's beams, and its column blocks (beam
@@ -68,8 +68,8 @@ OUR_COLUMNS = 64  # the column block of csrc/linear.cpp's packed weights
 # (cpu_kernels.our_linear()). AMX, measured on an Intel Xeon (two threads): ours ahead at 32 rows
 # for every SmolLM2 and 4-layer shape (1.5-2.1x), behind for 576 -> 3,072 at 100 rows (0.9x).
 # AVX512-BF16, measured on AMD Zen 5 (2 vCPU; SmolLM2 and 4-layer shapes, 1 and 2 threads, weights
-# cold and warm): ours ahead through 128 rows on every shape (1-16 rows 1.2-3x, 64 rows 1.02-1.33x,
-# 128 rows 1.0-1.25x), even at 256 (0.97-1.11x), oneDNN 2-8% ahead from 512 rows (0.92-1.03x up to
+# cold and warm): ours ahead through 128 rows on every shape (1-16 rows 1.1-3x, 64 rows 1.0-1.33x,
+# 128 rows 1.0-1.2x), even at 256 (0.97-1.11x), oneDNN 2-8% ahead from 512 rows (0.92-1.03x up to
 # 5,120): both run vdpbf16ps near the cores' peak there, oneDNN with a larger register block. So
 # 256: as fast, and the fewer row counts reach oneDNN, the fewer kernels it compiles as they come.
 OUR_MAX_ROWS = {"amx": 64, "avx512_bf16": 256}
