@@ -178,7 +178,7 @@ class PackedPrefill:
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
-    __slots__ = ("cache", "positions", "rows", "runs", "reads")
+    __slots__ = ("cache", "positions", "rows", "runs", "reads", "slots")
 
     def __init__(self, cache: SlabCache) -> None:
         self.cache = cache
@@ -186,14 +186,20 @@ class Decode:
         self.positions = cache.lengths[:self.rows].clone()
         self.reads = self.positions + 1  # keys each row reads, its new one included
         self.runs = None  # for torch's kernel only, found at its first layer (_runs)
+        # Where each (row, key head)'s new key goes in a layer's slabs seen as [tokens, dim]: found
+        # once for every layer. One index_copy_ a layer took 3.5-7 us against 5.7-11 us for the
+        # advanced-indexing write with its arange (1-64 rows, perf/RESULTS.md, fourteenth session).
+        _, kv_heads, capacity, _ = cache.keys(0).shape
+        heads = torch.arange(kv_heads, device=self.positions.device)
+        rows = torch.arange(self.rows, device=self.positions.device)
+        self.slots = ((rows[:, None] * kv_heads + heads) * capacity + self.positions[:, None]).reshape(-1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         rows, heads, dim = q.shape
         kv_heads = k.shape[1]
-        index = torch.arange(rows, device=q.device)
         keys, values = self.cache.keys(layer), self.cache.values(layer)
-        keys[index, :, self.positions] = k
-        values[index, :, self.positions] = v
+        keys.view(-1, dim).index_copy_(0, self.slots, k.reshape(-1, dim))
+        values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim))
         kernel = cpu_kernels.decode_attention()
         if (kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and dim % 32 == 0
                 and dim <= 256 and heads // kv_heads <= 8):
