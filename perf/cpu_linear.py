@@ -20,14 +20,14 @@ import statistics
 import time
 
 import torch
-from cli import cpu_model
+from cli import cpu_model, positive_ints
 
 import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
 from xllm_async.model import cpu_kernels
+from xllm_async.model.layers import _PACK_HINT
 
 SHAPES = "576x960,576x576,576x3072,1536x576,576x49152,256x1536,256x768,768x256"  # in x out
 COLD_BYTES = 100 << 20
-PACK_HINT = 4096  # as layers._PACK_HINT
 
 
 def quartile_us(times: list[int]) -> float:
@@ -58,8 +58,8 @@ def alternating(x: torch.Tensor, ours: list[torch.Tensor], onednn: list[torch.Te
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=SHAPES, help="in x out, comma-separated")
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", type=positive_ints, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--threads", type=positive_ints, default=[1, 2])
     parser.add_argument("--budget", type=float, default=0.4, help="seconds of calls per figure")
     args = parser.parse_args()
     isa = cpu_kernels.our_linear()
@@ -75,11 +75,11 @@ def main() -> None:
             cold_copies = max(2, -(-COLD_BYTES // (2 * k * n)))
             weights = [torch.randn(n, k).bfloat16() for _ in range(min(cold_copies, 4))]
             ours = [torch.ops.xllm.pack_linear(weights[i % len(weights)]) for i in range(cold_copies)]
-            onednn = [torch.ops.mkldnn._reorder_linear_weight(weights[i % len(weights)], PACK_HINT)
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(weights[i % len(weights)], _PACK_HINT)
                       for i in range(cold_copies)]
-            for rows in map(int, args.rows.split(",")):
+            for rows in args.rows:
                 x = torch.randn(rows, k).bfloat16()
-                for threads in map(int, args.threads.split(",")):
+                for threads in args.threads:
                     torch.set_num_threads(threads)
                     for weights_at, copies in (("cold", cold_copies), ("warm", 1)):
                         a, b = alternating(x, ours[:copies], onednn[:copies], n, args.budget)

@@ -56,6 +56,8 @@ _decode = None  # torch.ops.xllm.decode_attention, likewise
 # Where torch.ops.xllm.linear loaded and computed right: the instruction set it runs on here
 # ("amx" or "avx512_bf16"), else None.
 _linear_isa: str | None = None
+# The instruction sets our library is built for (torch.ops.xllm.linear_isa), as start-up names them.
+ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
 
 
 def _cpu_flags() -> str:
@@ -127,9 +129,10 @@ def _working_attention():
         except RuntimeError as exc:
             log.warning("attention kernels unusable here: %s", exc)
             varlen = prefix = None
-    isa = "AMX" if "amx_bf16" in _cpu_flags().split() else "AVX512-BF16"
-    log.info("packed attention: %s", f"our {isa} kernels, one call a batch" if varlen is not None
-             else "torch's kernel, a call per prompt length (no AVX512-BF16 here)")
+    if varlen is not None:  # (built for the same instruction set as our linear: linear_isa says which)
+        log.info("packed attention: our %s kernels, one call a batch", ISA_NAMES[torch.ops.xllm.linear_isa()])
+    else:
+        log.info("packed attention: torch's kernel, a call per prompt length (no AVX512-BF16 here)")
     return varlen, prefix
 
 

@@ -32,8 +32,6 @@ from .host_memory import one_intra_op_thread, pack_weights
 log = logging.getLogger("xllm_async.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The start-up line naming what runs the linear layers, per cpu_kernels.our_linear().
-_LINEAR_NAMES = {"amx": "our AMX linear", "avx512_bf16": "our AVX512-BF16 linear"}
 
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
@@ -75,7 +73,8 @@ class ModelRunner:
             packing = linear_packing(device, self.dtype)
             if packing is not None:
                 log.info("%d linear layers packed for %s", pack_linears(self.model, packing),
-                         _LINEAR_NAMES[cpu_kernels.our_linear()] if packing == "ours" else "oneDNN's linear")
+                         f"our {cpu_kernels.ISA_NAMES[cpu_kernels.our_linear()]} linear" if packing == "ours"
+                         else "oneDNN's linear")
             if cpu_kernels.wanted(device, self.dtype):
                 use_fused_kernels(self.model)
                 log.info("norms, rotary and SiLU on our fused bfloat16 CPU kernels")

@@ -34,8 +34,10 @@
 #include "avx512_bf16.h"
 #include "parallel.h"
 
-#include <sys/syscall.h>
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>  // (asking Linux for AMX state)
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
