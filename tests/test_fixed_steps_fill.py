@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xllm_async.config import Settings
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.fixed_steps import FILL_RETURNS, RETURN_WITHIN, FixedStepsBatcher
+from xllm_async.engine.fixed_steps import FILL_RETURNS, RETURN_WITHIN, SPLIT_AT, FixedStepsBatcher
 from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.metrics import Metrics
@@ -394,6 +394,37 @@ async def test_a_long_generation_at_the_front_goes_back_to_the_loop(wide_slot):
     assert len(batcher.waiting) == 2
 
 
+async def test_on_an_idle_server_enough_short_requests_split_between_the_slots(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher.add([request() for _ in range(5)])  # five arrive at once: 3 + 2, each on its own cores
+    assert [len(b) for b in await started(batcher, slots)] == [3, 2]
+    assert batcher._wide is None and not batcher.waiting
+
+
+async def test_fewer_than_split_at_run_together_on_every_core(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher.add([request() for _ in range(SPLIT_AT - 1)])
+    assert [len(b) for b in await started(batcher, slots)] == [SPLIT_AT - 1]
+    assert batcher._wide == 0
+
+
+async def test_long_generations_and_slots_that_cannot_widen_are_not_split(two_slots, wide_slot):
+    for batcher, slots, max_tokens in ((two_slots[0], two_slots[1], 1), (wide_slot[0], wide_slot[1], 500)):
+        batcher.add([request(max_tokens=max_tokens) for _ in range(4)])
+        assert [len(b) for b in await started(batcher, slots)] == [4]  # on an accelerator / a long generation
+
+
+async def test_after_a_wide_batch_enough_waiting_go_back_to_the_loop_to_split(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher._return_delay = 0.010  # requests arrive on their own
+    batcher.add([request()])  # alone, on every core
+    batcher.add([request() for _ in range(4)])  # arrive meanwhile: too many for one thread's follow-on
+    assert batcher._follow_on(prefill_seconds=0.010) == [] and len(batcher.waiting) == 4
+    batcher._release(slots[0], 1, 0.010)
+    assert [len(b) for b in await started(batcher, slots)] == [1, 2, 2]
+    assert batcher._wide is None
+
+
 async def test_a_wait_for_company_lasts_a_few_return_delays_at_most(one_slot):
     batcher, slots, clock = one_slot
     batcher._return_delay = 0.002
@@ -434,9 +465,11 @@ class GatedRunner(ModelRunner):
         return super().prefill(prompts, capacity, into)
 
 
-async def test_served_requests_wait_for_the_wide_batch_and_follow_it_on_its_thread(tiny_model_dir):
+@pytest.mark.parametrize("arrive", [2, 3])
+async def test_served_requests_wait_for_the_wide_batch_and_follow_it_on_its_thread(tiny_model_dir, arrive):
     """Through the real server and slot threads: while a short batch runs alone on every core,
-    requests that arrive on their own wait for it, and its thread runs them next, in one batch."""
+    requests that arrive on their own wait for it; then its thread runs them next, in one batch,
+    or, SPLIT_AT of them and more, the two slots share them."""
     settings = Settings(model=tiny_model_dir, port=0, scheduler="fixed_steps", concurrent_execute_stream_num=2,
                         access_log="off")
     runner = GatedRunner(tiny_model_dir, torch.device("cpu"))
@@ -451,16 +484,20 @@ async def test_served_requests_wait_for_the_wide_batch_and_follow_it_on_its_thre
         first = asyncio.create_task(asyncio.to_thread(post, port, "/v1/completions", {**body, "prompt": [1, GATE, 3]}))
         assert await asyncio.to_thread(runner.entered.wait, 120)
         others = [asyncio.create_task(asyncio.to_thread(post, port, "/v1/completions", {**body, "prompt": [1, 2, n]}))
-                  for n in (5, 6)]
-        for _ in range(12000):  # until both wait: bounded, never timed
-            if len(batcher.waiting) == 2:
+                  for n in range(5, 5 + arrive)]
+        for _ in range(12000):  # until they all wait: bounded, never timed
+            if len(batcher.waiting) == arrive:
                 break
             await asyncio.sleep(0.01)
-        assert len(batcher.waiting) == 2 and batcher._wide == 0
+        assert len(batcher.waiting) == arrive and batcher._wide == 0
         runner.gate.set()
         results = await asyncio.gather(first, *others)
         assert all(status == 200 and answer["usage"]["completion_tokens"] == 1 for status, answer, _ in results)
-        assert runner.prefills == [("xllm-slot-0", 1), ("xllm-slot-0", 2)]
+        if arrive < SPLIT_AT:
+            assert runner.prefills == [("xllm-slot-0", 1), ("xllm-slot-0", arrive)]
+        else:
+            assert runner.prefills[0] == ("xllm-slot-0", 1)
+            assert sorted(runner.prefills[1:]) == [("xllm-slot-0", 2), ("xllm-slot-1", 1)]
         assert service.engine.unfinished == set()
     finally:
         runner.gate.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import json
 import math
 import os
 import sys
@@ -394,3 +395,23 @@ def test_a_request_the_trace_cut_short_is_left_out():
     found = trace_c1.split_requests(trace_c1.parse_events(ONE_REQUEST), loop=10, server_threads={10}, client=30)
     assert all(not values for values in found.values())
     assert trace_c1.format_table(found).startswith("no complete request")
+
+
+def test_open_loop_pools_runs_and_pairs_passes_within_each_run(tmp_path):
+    """Interleaved runs saved as JSON report as one: medians over every pass, and each configuration
+    over the baseline within the same pass of the same run (never across runs)."""
+    open_loop = _import_perf_script("open_loop")
+    args = vars(open_loop.build_parser().parse_args(["--interleave", "2"])) | {"model": "m"}
+    paths = []
+    for run, slow in enumerate((1.0, 10.0)):  # the second run's host was ten times slower
+        rows = [{"round": 0, "config": c, "fraction": "capacity", "rate": 100.0, "req_s": 100.0, "mean_ms": 1.0,
+                 "p99_ms": 1.0, "failed": 0} for c in ("a", "b")]
+        rows += [{"round": p, "config": c, "fraction": 0.5, "rate": 50.0, "req_s": 50.0, "mean_ms": m * slow,
+                  "p99_ms": 2 * m * slow, "failed": 0} for p in (0, 1) for c, m in (("a", 10.0), ("b", 8.0))]
+        path = tmp_path / f"run{run}.json"
+        path.write_text(json.dumps({"args": args, "rows": rows}))
+        paths.append(str(path))
+    pooled_rows, pooled_args = open_loop.pooled(paths)
+    assert pooled_args.fractions == [0.5] and len(pooled_rows) == 12
+    line = next(x for x in open_loop.report(pooled_rows, pooled_args).splitlines() if x.startswith("| 50%"))
+    assert "(0.80x / 0.80x)" in line  # b is 0.8x of a in every pass, whatever each run's host did

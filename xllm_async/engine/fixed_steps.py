@@ -28,6 +28,10 @@ FILL_RETURNS = 4  # a wait for company lasts at most this many average return de
 MAX_OWED = 64  # finished batches whose clients are tracked
 OWED_FOR = 2.0  # prefills: clients of a batch not back after this long are not counted on any more
 SHORT_BATCH_STEPS = 4  # a batch of at most this many tokens per sequence is prefill-bound: short
+# On an idle CPU server, at least this many short requests waiting are split between the idle slots,
+# each batch on its own cores, rather than run as one batch on every core (_split_waiting). Two
+# waiting still run together, as a closed loop at concurrency 2 has it.
+SPLIT_AT = 3
 
 
 class FixedStepsBatcher:
@@ -46,6 +50,8 @@ class FixedStepsBatcher:
     nothing starts beside it: requests that arrive meanwhile wait for it, as they would for the
     continuous scheduler's next step, and its slot's thread takes them itself when it ends
     (_follow_on), or, in a closed loop, hands back to the loop so that the batch fills first.
+    Once SPLIT_AT or more wait, the idle slots share them instead, each batch on its own cores
+    (_split_waiting): queued-up requests drain sooner that way.
 
     Long generations do not make new requests wait for a whole batch: while
     every slot is busy, generation requests that arrive join a running
@@ -190,12 +196,13 @@ class FixedStepsBatcher:
         """Take the next batch off the queue and hand it to this slot."""
         alone = not self._running
         with self._take_lock:
-            batch = self.budget.take(self.waiting, limit=self._fair_share())
+            batch = self.budget.take(self.waiting, limit=self._fair_share(slot))
         if not batch:  # everything that waited was aborted
             self._idle.append(slot)
             return
         wide = self._mark_running(slot, batch, alone)
-        slot.submit(functools.partial(self._run_to_completion, slot, batch, wide))
+        split = alone and not wide and _short(batch) and bool(self._idle and self.waiting)  # its partner starts next
+        slot.submit(functools.partial(self._run_to_completion, slot, batch, wide, split))
 
     def _mark_running(self, slot, batch: list, alone: bool) -> bool:
         """Record the batch a slot now runs; returns whether it runs short on every core (wide)."""
@@ -203,9 +210,22 @@ class FixedStepsBatcher:
         short = _short(batch)
         if not short and isinstance(batch[0], EngineRequest):
             self._joining[slot.index] = deque()
-        wide = alone and short and slot.binding.can_widen
+        # Not with requests left for an idle slot: they start beside it at once, each on its own cores.
+        wide = alone and short and slot.binding.can_widen and not (self._idle and self.waiting)
         self._wide = slot.index if wide else None
         return wide
+
+    def _split_waiting(self) -> bool:
+        """Whether the waiting requests are worth two short batches on their own cores rather
+        than one on every core: SPLIT_AT or more, a short one at the front, another slot idle.
+
+        One batch on every core computes as fast as two on one core each while nothing else runs
+        (8 x 320 tokens, 4-layer model: 41 against 45 ms), but it runs its cores as one OpenMP team
+        that waits at every step for whichever thread lost its core, and on a server the event
+        loop's thread (arrivals, answers) takes one now and then: beside a thread busy a quarter to
+        half the time, 70-83 against 62-67 ms. So while requests queue up, two batches drain them
+        sooner; a lone request or two still get every core (perf/RESULTS.md, fifteenth session)."""
+        return bool(self._idle) and len(self.waiting) >= SPLIT_AT and _short_request(self.waiting[0])
 
     def _worth_filling(self, others_busy: int) -> bool:
         """Whether a batch about to start should wait for company (see _fill)."""
@@ -287,7 +307,7 @@ class FixedStepsBatcher:
             return self.busy_slots > 1 and self._worth_filling(self.busy_slots - 1)
         return self._worth_filling(0)  # began on an idle server (and only this coroutine starts batches)
 
-    def _fair_share(self) -> int:
+    def _fair_share(self, slot) -> int:
         """At most this many requests for the new batch (0: no limit).
 
         A slot that frees up while others run short batches takes its share of
@@ -296,9 +316,15 @@ class FixedStepsBatcher:
         clients come back together), and the small ones waste the slot. Only
         against short batches (prefill-heavy, a few steps), so that what is
         left waits for one short batch at most, never for a long generation.
+        On an idle server, requests to split (_split_waiting) are shared the
+        same way between the idle slots.
         """
         running = self._running.values()
-        if not running or any(steps > SHORT_BATCH_STEPS for _, steps in running):
+        if not running:
+            if slot.binding.can_widen and self._split_waiting():
+                return -(-len(self.waiting) // (len(self._idle) + 1))  # this slot and the idle ones
+            return 0
+        if any(steps > SHORT_BATCH_STEPS for _, steps in running):
             return 0
         in_server = sum(size for size, _ in running) + len(self.waiting)
         return -(-in_server // self._num_slots)  # ceil
@@ -341,10 +367,12 @@ class FixedStepsBatcher:
                 self.waiting.extend(live)
         return len(live)
 
-    def _run_to_completion(self, slot, requests: list[QueuedRequest], wide: bool) -> None:
-        """On the slot's thread: run the batch; after a wide one, the batches that waited for it."""
+    def _run_to_completion(self, slot, requests: list[QueuedRequest], wide: bool, split: bool = False) -> None:
+        """On the slot's thread: run the batch; after a wide one, the batches that waited for it.
+        split: the batch shares the waiting requests with an idle slot's, which starts next."""
         while True:
-            prefill_seconds = self._run_batch(slot, requests)
+            prefill_seconds = self._run_batch(slot, requests, split)
+            split = False
             following = self._follow_on(prefill_seconds) if wide else []
             if not following:
                 self._loop.call_soon_threadsafe(self._release, slot, len(requests), prefill_seconds)
@@ -366,16 +394,17 @@ class FixedStepsBatcher:
         if self._return_delay <= prefill_seconds * RETURN_WITHIN:
             return []  # clients come back at once (closed loop): the loop lets the batch fill first
         with self._take_lock:
-            if not self.waiting:
-                return []
+            if not self.waiting or self._split_waiting():
+                return []  # nothing to do, or enough for two batches: the loop splits them (_fair_share)
             first = self.waiting[0]
             if isinstance(first, EngineRequest) and first.max_steps > SHORT_BATCH_STEPS:
                 return []
             return self.budget.take(self.waiting)
 
-    def _run_batch(self, slot, requests: list[QueuedRequest]) -> float:
+    def _run_batch(self, slot, requests: list[QueuedRequest], split: bool = False) -> float:
         """On the slot's thread: prefill, then decode rounds until every sequence is done;
-        returns the prefill's seconds."""
+        returns the prefill's seconds. Each step takes every core while no other slot is busy,
+        except a split batch's prefill: its partner may not have started yet."""
         batch = None
         started = time.perf_counter()
         prefill_seconds = 0.0
@@ -385,7 +414,7 @@ class FixedStepsBatcher:
             else:
                 batch = GenerationBatch(self.runner, requests, self.metrics)
             binding = slot.binding
-            binding.share_cores(self.busy_slots == 1)
+            binding.share_cores(not split and self.busy_slots == 1)
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             while batch:
@@ -412,3 +441,8 @@ class FixedStepsBatcher:
 def _short(batch: list) -> bool:
     """A prefill-bound batch: at most SHORT_BATCH_STEPS tokens a sequence."""
     return max(r.max_steps for r in batch) <= SHORT_BATCH_STEPS
+
+
+def _short_request(request: QueuedRequest) -> bool:
+    """A generation request of at most SHORT_BATCH_STEPS tokens (beam searches are never split)."""
+    return isinstance(request, EngineRequest) and request.max_steps <= SHORT_BATCH_STEPS
