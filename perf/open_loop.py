@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 from datetime import datetime
@@ -130,9 +131,10 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
                                                               for n in names) + " |")
     for fraction in args.fractions:
         rate = median(names[0], fraction, "rate")
-        cells = [f"{median(n, fraction, 'mean_ms'):.1f} / {median(n, fraction, 'p99_ms'):.1f}"
-                 + (f" ({paired_ratio(rows, names[0], n, fraction, 'mean_ms'):.2f}x / "
-                    f"{paired_ratio(rows, names[0], n, fraction, 'p99_ms'):.2f}x)" if n != names[0] else "")
+        cells = [("-" if math.isnan(median(n, fraction, "mean_ms")) else  # not run at this load (--pool)
+                  f"{median(n, fraction, 'mean_ms'):.1f} / {median(n, fraction, 'p99_ms'):.1f}"
+                  + (f" ({paired_ratio(rows, names[0], n, fraction, 'mean_ms'):.2f}x / "
+                     f"{paired_ratio(rows, names[0], n, fraction, 'p99_ms'):.2f}x)" if n != names[0] else ""))
                  for n in names]
         lines.append(f"| {fraction:.0%} ({rate:.1f} req/s) | " + " | ".join(cells) + " |")
     goodput = []

@@ -219,12 +219,13 @@ class FixedStepsBatcher:
         """Whether the waiting requests are worth two short batches on their own cores rather
         than one on every core: SPLIT_AT or more, a short one at the front, another slot idle.
 
-        One batch on every core computes as fast as two on one core each while nothing else runs
-        (8 x 320 tokens, 4-layer model: 41 against 45 ms), but it runs its cores as one OpenMP team
-        that waits at every step for whichever thread lost its core, and on a server the event
-        loop's thread (arrivals, answers) takes one now and then: beside a thread busy a quarter to
-        half the time, 70-83 against 62-67 ms. So while requests queue up, two batches drain them
-        sooner; a lone request or two still get every core (perf/RESULTS.md, fifteenth session)."""
+        Not for the arithmetic: alone, one batch on every core computes sooner (perf/wide_or_split.py,
+        4 x 320 tokens: 16.6 against 24.4 ms; 16 x 320: 72.6 against 74.6), and beside a thread that
+        takes a core now and then, as the event loop's does, the two come level. For the queue: a
+        batch on every core holds every arrival until it ends, while two batches end at different
+        times and the slot freed first takes what came meanwhile. Served with arrivals of their own,
+        that brought fixed_steps' mean and P99 from 1.07-1.37x continuous's to 0.85-0.97x
+        (perf/RESULTS.md, fifteenth session). A lone request or two still get every core."""
         return bool(self._idle) and len(self.waiting) >= SPLIT_AT and _short_request(self.waiting[0])
 
     def _worth_filling(self, others_busy: int) -> bool:
