@@ -129,13 +129,19 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
 
     lines.append("| capacity (req/s, closed loop) | " + " | ".join(f"{median(n, 'capacity', 'req_s'):.1f}"
                                                               for n in names) + " |")
+    def cell(name, fraction):
+        mean = median(name, fraction, "mean_ms")
+        if math.isnan(mean):
+            return "-"  # not run at this load (--pool)
+        text = f"{mean:.1f} / {median(name, fraction, 'p99_ms'):.1f}"
+        if name == names[0]:
+            return text
+        return (f"{text} ({paired_ratio(rows, names[0], name, fraction, 'mean_ms'):.2f}x / "
+                f"{paired_ratio(rows, names[0], name, fraction, 'p99_ms'):.2f}x)")
+
     for fraction in args.fractions:
         rate = median(names[0], fraction, "rate")
-        cells = [("-" if math.isnan(median(n, fraction, "mean_ms")) else  # not run at this load (--pool)
-                  f"{median(n, fraction, 'mean_ms'):.1f} / {median(n, fraction, 'p99_ms'):.1f}"
-                  + (f" ({paired_ratio(rows, names[0], n, fraction, 'mean_ms'):.2f}x / "
-                     f"{paired_ratio(rows, names[0], n, fraction, 'p99_ms'):.2f}x)" if n != names[0] else ""))
-                 for n in names]
+        cells = [cell(n, fraction) for n in names]
         lines.append(f"| {fraction:.0%} ({rate:.1f} req/s) | " + " | ".join(cells) + " |")
     goodput = []
     for n in names:
@@ -149,8 +155,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
 
 def paired_ratio(rows: list[dict], baseline: str, name: str, fraction: float, key: str) -> float:
     """The median over rounds (or passes) of name's figure (key) over the baseline's in the same one."""
-    means = {(r["config"], r["round"]): r[key] for r in rows if r["fraction"] == fraction}
-    ratios = [means[name, i] / means[baseline, i] for c, i in means if c == baseline and (name, i) in means]
+    figures = {(r["config"], r["round"]): r[key] for r in rows if r["fraction"] == fraction}
+    ratios = [figures[name, i] / figures[baseline, i] for c, i in figures if c == baseline and (name, i) in figures]
     return statistics.median(ratios) if ratios else float("nan")
 
 

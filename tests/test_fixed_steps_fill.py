@@ -373,6 +373,18 @@ async def test_after_a_wide_batch_its_own_thread_takes_what_waited(wide_slot):
     assert batcher._wide == 0
 
 
+async def test_a_follow_on_batch_stays_on_every_core_when_requests_arrive_as_it_is_taken(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher._return_delay = 0.010
+    batcher.add([request()])
+    batcher.add([request()])
+    following = batcher._follow_on(prefill_seconds=0.010)  # slot 0's thread takes it...
+    batcher.add([request()])  # ...and one more arrives before the loop hears of it
+    batcher._followed(slots[0], 1, 0.010, following)
+    assert batcher._wide == 0  # the thread runs it on every core: nothing may start beside it
+    assert len(await started(batcher, slots)) == 1 and len(batcher.waiting) == 1
+
+
 async def test_in_a_closed_loop_a_wide_batch_hands_back_so_the_next_one_fills(wide_slot):
     batcher, slots, clock = wide_slot
     batcher._return_delay = 0.0005  # clients back within a twentieth of a prefill

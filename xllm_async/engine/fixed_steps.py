@@ -200,18 +200,20 @@ class FixedStepsBatcher:
         if not batch:  # everything that waited was aborted
             self._idle.append(slot)
             return
-        wide = self._mark_running(slot, batch, alone)
-        split = alone and not wide and _short(batch) and bool(self._idle and self.waiting)  # its partner starts next
+        # A short batch that leaves requests for an idle slot does not take every core: they start
+        # beside it at once (next in _run), each batch on its own cores.
+        split = alone and _short(batch) and bool(self._idle and self.waiting)
+        wide = self._mark_running(slot, batch, alone and not split)
         slot.submit(functools.partial(self._run_to_completion, slot, batch, wide, split))
 
     def _mark_running(self, slot, batch: list, alone: bool) -> bool:
-        """Record the batch a slot now runs; returns whether it runs short on every core (wide)."""
+        """Record the batch a slot now runs; returns whether it runs short on every core (wide):
+        alone is whether it may (no other batch runs, none starts beside it)."""
         self._running[slot.index] = (len(batch), max(r.max_steps for r in batch))
         short = _short(batch)
         if not short and isinstance(batch[0], EngineRequest):
             self._joining[slot.index] = deque()
-        # Not with requests left for an idle slot: they start beside it at once, each on its own cores.
-        wide = alone and short and slot.binding.can_widen and not (self._idle and self.waiting)
+        wide = alone and short and slot.binding.can_widen
         self._wide = slot.index if wide else None
         return wide
 
