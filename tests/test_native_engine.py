@@ -220,6 +220,31 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
         assert torch.equal(layer(x), layer(x.view(6, 64)).view(2, 3, 96))
 
 
+def test_our_float32_linear_computes_what_the_plain_one_does(tiny_model_dir):
+    """Float32 layers on our AVX512 loop: every row count (groups of 6 rows and each tail, a block
+    of 32 and past it), an odd input width, a last column block part padding, a bias: equal to the
+    plain layer within float32 summation order. A float32 model gets it, with no oneDNN copy and
+    no padded rows."""
+    from xllm_async.model import cpu_kernels
+    from xllm_async.model.layers import Linear, pack_linears
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    if not cpu_kernels.our_float32_linear():
+        pytest.skip("no float32 linear of ours on this machine")
+    torch.manual_seed(0)
+    layer = Linear(63, 100, bias=True)
+    with torch.inference_mode():
+        inputs = [torch.randn(rows, 63) for rows in (1, 2, 3, 4, 5, 6, 7, 11, 32, 33, 100, 300)]
+        plain = [F.linear(x, layer.weight, layer.bias) for x in inputs]
+        assert pack_linears(layer, "ours") == 1 and layer.weight is None and layer.packed.onednn is None
+        for x, want in zip(inputs, plain):
+            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
+    assert runner.model.packed_lm_head.kind == "ours" and not runner.model.pad_rows
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None and m.packed.onednn is None for m in layers)
+
+
 def test_our_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(tiny_model_dir):
     """A beam round walks the vocabulary in blocks of columns: from a 64-column boundary the packed
     head serves them; elsewhere the plain head does. Either way they are the whole logits' columns."""

@@ -7,7 +7,8 @@ whole batch of packed prompts in one call and a beam round's prompt stage
 products instead of tiles); on CPUs with AVX512-BF16, a decode step's attention in one call
 (csrc/decode_attention.cpp) and a beam round's top k with its log-sum-exp (csrc/beam_topk.cpp).
 Since the thirteenth, a decode step's bfloat16 linear layers and the LM head (csrc/linear.cpp): on
-AMX where the CPU has it, since the fourteenth on AVX512-BF16 where it has only that.
+AMX where the CPU has it, since the fourteenth on AVX512-BF16 where it has only that; since the
+sixteenth float32 linear layers too, on AVX512 FMAs, for every row count.
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -56,6 +57,7 @@ _decode = None  # torch.ops.xllm.decode_attention, likewise
 # Where torch.ops.xllm.linear loaded and computed right: the instruction set it runs on here
 # ("amx" or "avx512_bf16"), else None.
 _linear_isa: str | None = None
+_float32_linear = False  # whether torch.ops.xllm.linear takes float32 here (and computed right)
 # The instruction sets our library is built for (torch.ops.xllm.linear_isa), as start-up names them.
 ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
 
@@ -155,9 +157,23 @@ def _working_linear() -> str | None:
     return isa
 
 
+def _working_float32_linear() -> bool:
+    """Whether our linear's float32 loop (csrc/linear.cpp, AVX512 FMAs) is in this build and
+    computes right here."""
+    if not hasattr(torch.ops.xllm, "linear"):
+        return False
+    try:
+        weight = torch.arange(12, dtype=torch.float32).view(3, 4)
+        out = torch.ops.xllm.linear(torch.ones(2, 4), torch.ops.xllm.pack_linear(weight), None, 3)
+    except RuntimeError as exc:
+        log.warning("our float32 linear unusable here: %s", exc)
+        return False
+    return bool((out == weight.sum(1)).all())
+
+
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix, _topk, _decode, _linear_isa
+    global _loaded, _varlen, _prefix, _topk, _decode, _linear_isa, _float32_linear
     with _lock:
         if _loaded is None:
             try:
@@ -167,6 +183,7 @@ def available() -> bool:
                 _topk = getattr(torch.ops.xllm, "topk_logsumexp", None)
                 _decode = getattr(torch.ops.xllm, "decode_attention", None)
                 _linear_isa = _working_linear()
+                _float32_linear = _working_float32_linear()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
@@ -177,6 +194,11 @@ def our_linear() -> str | None:
     """The instruction set our linear (csrc/linear.cpp) computes on here, "amx" or "avx512_bf16",
     once the library loaded and the linear ran right; else None."""
     return _linear_isa if available() else None
+
+
+def our_float32_linear() -> bool:
+    """Whether our linear takes float32 rows here (csrc/linear.cpp's AVX512 FMA loop)."""
+    return _float32_linear if available() else False
 
 
 def varlen_attention():

@@ -23,15 +23,19 @@ class Linear(nn.Linear):
 
 
 class PackedWeight:
-    """A [out, in] weight laid out for the bfloat16 CPU linears:
-    - "ours": our linear (csrc/linear.cpp): on AMX over torch's brgemm micro-kernel, on CPUs with
-      AVX512-BF16 but no AMX over our own vdpbf16ps loop; nothing compiled per row count, no
-      set-up per call: on AMX 1.5-2.4x oneDNN's linear for a decode step's 1-32 rows, on
+    """A [out, in] weight laid out for the CPU linears:
+    - "ours": our linear (csrc/linear.cpp). In bfloat16: on AMX over torch's brgemm micro-kernel, on
+      CPUs with AVX512-BF16 but no AMX over our own vdpbf16ps loop; nothing compiled per row count,
+      no set-up per call: on AMX 1.5-2.4x oneDNN's linear for a decode step's 1-32 rows, on
       AVX512-BF16 (AMD Zen 5) 1.1-3x for 1-16 rows. From some rows on oneDNN's blocking wins, so a
       layer keeps oneDNN's packed weight too (`onednn`: a second copy) for more than
       `ours_max_rows` rows (OUR_MAX_ROWS, per instruction set). The LM head keeps no second copy:
       its rows are a batch's last tokens or a beam round's beams, and its column blocks (beam
-      search) exist only in our layout (on Zen 5 oneDNN's would be 2-6% faster from 256 rows);
+      search) exist only in our layout (on Zen 5 oneDNN's would be 2-6% faster from 256 rows).
+      In float32: our AVX512 FMA loop for every row count, no second copy (AMD Zen 5: a decode
+      step's 121 SmolLM2 linears 12.5 ms against aten's 35.7, at the bandwidth of a plain sum over
+      the weights; level with oneDNN's from 64 rows, and aten's float32 matmul, MKL's, is 2x
+      slower at every row count on that CPU);
     - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs with neither: 1.4-2x faster
       than aten's for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a
       prefill's.
@@ -44,7 +48,8 @@ class PackedWeight:
 
         self.out_features = weight.shape[0]
         self.ours = torch.ops.xllm.pack_linear(weight.detach().contiguous()) if kind == "ours" else None
-        self.ours_max_rows = OUR_MAX_ROWS[cpu_kernels.our_linear()] if kind == "ours" else 0
+        # (float32 keeps no oneDNN copy, so its limit never applies)
+        self.ours_max_rows = OUR_MAX_ROWS.get(cpu_kernels.our_linear(), 0) if kind == "ours" else 0
         self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
                        if kind == "onednn" or both else None)
 
@@ -90,13 +95,15 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Which packed linear serves this device and dtype: "ours" where our kernel (AMX or
-    AVX512-BF16) loaded and ran, else "onednn" where torch has oneDNN's; None: plain F.linear
-    (float32 and accelerators: float32 was mixed with oneDNN, faster at 8 rows, slower at 1)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """Which packed linear serves this device and dtype: in bfloat16 "ours" where our kernel (AMX
+    or AVX512-BF16) loaded and ran, else "onednn" where torch has oneDNN's; in float32 "ours" where
+    our float32 loop did; None: plain F.linear (accelerators, and CPUs without AVX512)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
     from . import cpu_kernels
 
+    if dtype == torch.float32:
+        return "ours" if cpu_kernels.our_float32_linear() else None
     if cpu_kernels.our_linear() is not None:
         return "ours"
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -106,18 +113,21 @@ def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def pack_linears(model: nn.Module, kind: str) -> int:
     """Lay out every Linear's weight (and the LM head, as a copy: item tables and the tied
-    embedding read the plain one) for `kind` once; returns how many Linears were packed."""
+    embedding read the plain one) for `kind` once; returns how many Linears were packed. Only
+    bfloat16 layers keep oneDNN's layout beside ours (PackedWeight), so only they pad their rows."""
     count = 0
+    onednn = False
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear) and module.weight is not None:
-                module.packed = PackedWeight(module.weight, kind)
+                module.packed = PackedWeight(module.weight, kind, both=module.weight.dtype == torch.bfloat16)
+                onednn = onednn or module.packed.onednn is not None
                 module.weight = None
                 count += 1
         if hasattr(model, "packed_lm_head"):
             model.packed_lm_head = PackedWeight(model.lm_head, kind, both=False)
         if hasattr(model, "pad_rows"):
-            model.pad_rows = True
+            model.pad_rows = onednn
     return count
 
 

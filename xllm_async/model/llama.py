@@ -166,7 +166,7 @@ class CausalLM(nn.Module):
         else:
             weight = self.lm_head if tokens is None else self.lm_head.index_select(0, tokens)
         rows = hidden.shape[0]
-        if self.packed_lm_head is not None:
+        if self.pad_rows:
             # A beam round's rows (its live beams) take any number, and oneDNN (under torch.matmul)
             # compiles a matmul kernel per number of rows: padded, they meet a few sizes.
             hidden = rows_padded(hidden)

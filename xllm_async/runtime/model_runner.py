@@ -54,6 +54,15 @@ def eos_ids(tokenizer, *sources) -> frozenset[int]:
     return frozenset(ids)
 
 
+def linear_name(packing: str, dtype: torch.dtype) -> str:
+    """What start-up logs for the packed linear layers."""
+    if packing != "ours":
+        return "oneDNN's linear"
+    if dtype == torch.float32:
+        return "our float32 AVX512 linear"
+    return f"our {cpu_kernels.ISA_NAMES[cpu_kernels.our_linear()]} linear"
+
+
 class ModelRunner:
     """Our own model code, loaded once, shared read-only by every execution thread;
     each thread keeps its own key/value arena (allocated once, on first use)."""
@@ -73,8 +82,7 @@ class ModelRunner:
             packing = linear_packing(device, self.dtype)
             if packing is not None:
                 log.info("%d linear layers packed for %s", pack_linears(self.model, packing),
-                         f"our {cpu_kernels.ISA_NAMES[cpu_kernels.our_linear()]} linear" if packing == "ours"
-                         else "oneDNN's linear")
+                         linear_name(packing, self.dtype))
             if cpu_kernels.wanted(device, self.dtype):
                 use_fused_kernels(self.model)
                 log.info("norms, rotary and SiLU on our fused bfloat16 CPU kernels")

@@ -43,6 +43,8 @@ constexpr int64_t kCols = 64;  // a column block: one packed weight block
 constexpr int64_t kRows = 32;  // rows a block product (on AMX: two tiles of 16)
 // Packed weights a thread keeps in its L2 while every row block passes them (bytes).
 constexpr int64_t kWeightChunk = 1 << 20;
+constexpr int kVectors = kCols / 16;  // a block's 64 columns: four vectors of 16 float32 sums
+constexpr int kRowGroup = 4;          // rows sharing each weight vector load (our loops): 16 accumulators
 
 #if defined(__AMX_BF16__)
 
@@ -91,8 +93,6 @@ void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k], 
     for (int64_t p = 0; p < pairs; ++p) dst[p * kCols + c] = src[c * pairs + p];
 }
 
-constexpr int kVectors = kCols / 16;  // a block's 64 columns: four vectors of 16 float32 sums
-constexpr int kRowGroup = 4;          // rows sharing each weight vector load: 16 accumulators
 
 // R rows (1-4) of a times one block, all 64 columns in registers: each k pair loads the block's
 // four vectors once and multiplies each row's pair (broadcast) into them, so a group of rows
@@ -143,16 +143,72 @@ struct BlockProduct {
 
 #endif
 
+// float32, on AVX512 FMAs (every CPU this library is built for): blocks of 64 columns laid out
+// [K][64] (a k step of a block is four vectors), each column's products summed in k order into
+// one float32 sum, as a dot product would. Unlike bfloat16 there is no pair to multiply, so a row
+// broadcasts one input value a k step, and a group of rows shares each weight load as above.
+template <int R>
+void row_group_f32(const float* a, int64_t k, const float* w, float* out, int64_t n, int64_t n0, int64_t cols,
+                   const float* bias) {
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = _mm512_loadu_ps(w + i * kCols + v * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * k + i]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < kVectors && v * 16 < cols; ++v) {
+    const __mmask16 live = xllm_simd::lanes(cols - v * 16);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * n + n0 + v * 16, live, _mm512_add_ps(acc[r][v], b));
+  }
+}
+
+constexpr int kRowGroupF32 = 6;  // 24 accumulators, four weight vectors, one broadcast
+
+struct Float32Product {
+  int64_t k, n;
+  const float* bias;
+
+  void operator()(const float* a, int64_t rows, const float* w, float* out, int64_t n0, int64_t cols) const {
+    int64_t r = 0;
+    for (; r + kRowGroupF32 <= rows; r += kRowGroupF32)
+      row_group_f32<kRowGroupF32>(a + r * k, k, w, out + r * n, n, n0, cols, bias);
+    switch (rows - r) {
+      case 5: row_group_f32<5>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      case 4: row_group_f32<4>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      case 3: row_group_f32<3>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      case 2: row_group_f32<2>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      case 1: row_group_f32<1>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
+      default: break;
+    }
+  }
+
+  static void finish() {}
+};
+
 at::Tensor pack_linear(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_linear: a 2-d bfloat16 weight");
+  const bool f32 = weight.scalar_type() == at::kFloat;
+  TORCH_CHECK(weight.dim() == 2 && (f32 || weight.scalar_type() == at::kBFloat16),
+              "pack_linear: a 2-d bfloat16 or float32 weight");
   const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(k % 2 == 0, "pack_linear: the input width must be even (bfloat16 pairs)");
+  TORCH_CHECK(f32 || k % 2 == 0, "pack_linear: the input width must be even (bfloat16 pairs)");
   const int64_t blocks = (n + kCols - 1) / kCols;
   auto padded = at::zeros({blocks * kCols, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   auto packed = at::empty({blocks, k * kCols}, weight.options());
-  for (int64_t b = 0; b < blocks; ++b)
-    pack_block(padded.narrow(0, b * kCols, kCols), reinterpret_cast<at::BFloat16*>(packed[b].data_ptr()));
+  for (int64_t b = 0; b < blocks; ++b) {
+    auto rows = padded.narrow(0, b * kCols, kCols);
+    if (f32) {
+      packed[b].view({k, kCols}).copy_(rows.t());  // [64][K] -> [K][64]
+    } else {
+      pack_block(rows, reinterpret_cast<at::BFloat16*>(packed[b].data_ptr()));
+    }
+  }
   return packed;
 }
 
@@ -161,28 +217,12 @@ struct Share {
   int64_t row_first, row_last, col_first, col_last;
 };
 
-at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                  int64_t n) {
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && input.dim() == 2, "linear: 2-d bfloat16 rows");
-  auto x = input.contiguous();
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t col_blocks = packed.size(0);
-  TORCH_CHECK(packed.is_contiguous() && packed.size(1) == k * kCols && col_blocks * kCols >= n,
-              "linear: weight packed for another shape");
-  auto out = at::empty({m, n}, x.options());
-  if (m == 0) return out;
-  at::Tensor bias_f;
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
-  const auto* a = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
-  const auto* w = reinterpret_cast<const at::BFloat16*>(packed.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const BlockProduct product{k, n, b};
+// x [m, k] (T: at::BFloat16 or float) times the packed blocks into out [m, n] (O: its raw type).
+template <typename T, typename O, typename Product>
+void blocked_linear(const T* a, const T* w, O* o, int64_t m, int64_t k, int64_t n, int64_t col_blocks,
+                    const Product& product) {
   const int64_t row_blocks = (m + kRows - 1) / kRows;
-  const int64_t chunk = std::max<int64_t>(1, kWeightChunk / (2 * k * kCols));  // column blocks kept in L2
+  const int64_t chunk = std::max<int64_t>(1, kWeightChunk / (int64_t(sizeof(T)) * k * kCols));  // kept in L2
 
   auto run = [&](const Share& s) {
     for (int64_t c0 = s.col_first; c0 < s.col_last; c0 += chunk) {
@@ -193,7 +233,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::
           product(a + r0 * k, rows, w + cb * k * kCols, o + r0 * n, cb * kCols, std::min(kCols, n - cb * kCols));
       }
     }
-    BlockProduct::finish();
+    Product::finish();
   };
 
   // Threads split the rows (each reads all the weights and its own rows) where the rows outnumber
@@ -211,6 +251,35 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::
     run(share(omp_get_thread_num(), omp_get_num_threads()));
   } else {
     run(share(0, 1));
+  }
+}
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
+  const bool f32 = input.scalar_type() == at::kFloat;
+  TORCH_CHECK((f32 || input.scalar_type() == at::kBFloat16) && input.dim() == 2,
+              "linear: 2-d bfloat16 or float32 rows");
+  TORCH_CHECK(packed.scalar_type() == input.scalar_type(), "linear: the weight was packed for another dtype");
+  auto x = input.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t col_blocks = packed.size(0);
+  TORCH_CHECK(packed.is_contiguous() && packed.size(1) == k * kCols && col_blocks * kCols >= n,
+              "linear: weight packed for another shape");
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  at::Tensor bias_f;
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    b = bias_f.data_ptr<float>();
+  }
+  if (f32) {
+    blocked_linear(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), m, k, n, col_blocks,
+                   Float32Product{k, n, b});
+  } else {
+    blocked_linear(reinterpret_cast<const at::BFloat16*>(x.data_ptr()),
+                   reinterpret_cast<const at::BFloat16*>(packed.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                   m, k, n, col_blocks, BlockProduct{k, n, b});
   }
   return out;
 }
