@@ -158,21 +158,23 @@ def test_beam_top_k_and_log_sum_exp_match_torch(rows, columns, k):
 
 
 @pytest.mark.skipif(cpu_kernels.decode_attention() is None, reason="no AVX512-BF16 here: decode keeps torch's kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 4, 32), (16, 8, 128)])
-def test_decode_attention_reads_each_rows_slab_as_float32_attention_does(heads, kv_heads, dim):
+def test_decode_attention_reads_each_rows_slab_as_float32_attention_does(heads, kv_heads, dim, dtype):
     """A decode step: each row's one query against the first `reads` keys of its own cache slab
     (a view of [layers, 2, rows, kv_heads, capacity, dim]), every row in one call; a row's answer
-    is the same alone."""
-    slab = randn(2, 6, kv_heads, 300, dim, seed=13)
+    is the same alone. In float32, within float32 summation order of torch's."""
+    slab = randn(2, 6, kv_heads, 300, dim, seed=13).to(dtype)
     keys, values = slab[0], slab[1]
     reads = torch.tensor([37, 256, 1, 300, 123])
-    q = randn(5, heads + 1, dim, seed=14)[:, :heads]
+    q = randn(5, heads + 1, dim, seed=14)[:, :heads].to(dtype)
+    tolerance = dict(atol=3e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     out = cpu_kernels.decode_attention()(q, keys, values, reads, dim ** -0.5)
     qg = q.float().view(5, kv_heads, heads // kv_heads, dim)
     for row, n in enumerate(reads.tolist()):
         ref = F.scaled_dot_product_attention(qg[row:row + 1], keys[row:row + 1, :, :n].float(),
                                              values[row:row + 1, :, :n].float(), scale=dim ** -0.5)
-        assert torch.allclose(out[row].float(), ref.reshape(heads, dim), atol=3e-2, rtol=1e-2)
+        assert out.dtype == dtype and torch.allclose(out[row].float(), ref.reshape(heads, dim), **tolerance)
         alone = cpu_kernels.decode_attention()(q[row:row + 1], keys[row:row + 1], values[row:row + 1],
                                                 reads[row:row + 1], dim ** -0.5)
         assert torch.equal(alone[0], out[row])

@@ -175,6 +175,9 @@ class PackedPrefill:
             row += count
 
 
+_DECODE_DTYPES = (torch.bfloat16, torch.float32)  # what csrc/decode_attention.cpp takes
+
+
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
@@ -201,7 +204,7 @@ class Decode:
         keys.view(-1, dim).index_copy_(0, self.slots, k.reshape(-1, dim))
         values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim))
         kernel = cpu_kernels.decode_attention()
-        if (kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and dim % 32 == 0
+        if (kernel is not None and q.dtype in _DECODE_DTYPES and q.device.type == "cpu" and dim % 32 == 0
                 and dim <= 256 and heads // kv_heads <= 8):
             # Every row in one call of our kernel (csrc/decode_attention.cpp), not a call per run of
             # equal lengths: continuous batching's rows mostly differ.

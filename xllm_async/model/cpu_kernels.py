@@ -5,7 +5,8 @@ the eager code makes four to eight; a bfloat16 prefill spent half its time in su
 whole batch of packed prompts in one call and a beam round's prompt stage
 (csrc/varlen_attention.cpp; since the fourteenth also on CPUs with AVX512-BF16 and no AMX, on dot
 products instead of tiles); on CPUs with AVX512-BF16, a decode step's attention in one call
-(csrc/decode_attention.cpp) and a beam round's top k with its log-sum-exp (csrc/beam_topk.cpp).
+(csrc/decode_attention.cpp; since the sixteenth in float32 too) and a beam round's top k with its
+log-sum-exp (csrc/beam_topk.cpp).
 Since the thirteenth, a decode step's bfloat16 linear layers and the LM head (csrc/linear.cpp): on
 AMX where the CPU has it, since the fourteenth on AVX512-BF16 where it has only that; since the
 sixteenth float32 linear layers too, on AVX512 FMAs, for every row count.
@@ -212,7 +213,7 @@ def topk_logsumexp():
 
 
 def decode_attention():
-    """A decode step's attention, every row in one call (csrc/decode_attention.cpp), or None."""
+    """A decode step's attention, every row in one call, bfloat16 or float32 (csrc/decode_attention.cpp), or None."""
     return _decode
 
 

@@ -1,12 +1,13 @@
-// A decode step's attention in bfloat16 on CPU: one new query per row against its own slab of
-// the cache, every row in one call (model/attention.py Decode; built with cpu_kernels.cpp into
-// one library).
+// A decode step's attention on CPU, in bfloat16 or float32: one new query per row against its own
+// slab of the cache, every row in one call (model/attention.py Decode; built with cpu_kernels.cpp
+// into one library).
 //
 // Rows of a continuous batch have different lengths, and torch's fused kernel took a call per run
 // of equal lengths, ~28 us each (one row, 3 key heads of 64, 256 keys): with 8 clients, 8 calls a
 // layer, 240 a SmolLM2 step. Here each (row, key head) reads its keys once for all the query
 // heads that share it: dot products on AVX512-BF16 (two bfloat16 products into each float32
-// lane), softmax in float32, then the values weighted in float32. The few rows of a decode step
+// lane; in float32 one product a lane, by FMAs), softmax in float32, then the values weighted in
+// float32. The few rows of a decode step
 // leave nothing worth tiling, so no packing: the keys are read where they lie.
 //
 // Each row is computed apart, so its result never depends on the rows beside it.
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -39,11 +41,37 @@ constexpr int kMaxWidth = 256;  // head width
 
 inline __m512bh load_pairs(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
+// What a dot-product step is in each element type (T: bf16 or float): a vector of 32 bfloat16
+// values (16 pairs) or of 16 floats, and the products it adds into 16 float32 lanes.
+template <typename T>
+struct Dot;
+
+template <>
+struct Dot<bf16> {
+  using Vector = __m512bh;
+  static constexpr int64_t kStep = 32;
+  static Vector load(const bf16* p) { return load_pairs(p); }
+  static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static __m512 widen(const bf16* p) { return xllm_simd::load_bf16(p, 0xFFFF); }
+  static void store(bf16* p, __m512 x) { xllm_simd::store_bf16(p, x, 0xFFFF); }
+};
+
+template <>
+struct Dot<float> {
+  using Vector = __m512;
+  static constexpr int64_t kStep = 16;
+  static Vector load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_fmadd_ps(a, b, acc); }
+  static __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+};
+
+template <typename T>
 struct Step {
-  const bf16* q;
-  const bf16* keys;
-  const bf16* values;
-  bf16* out;
+  const T* q;
+  const T* keys;
+  const T* values;
+  T* out;
   const int64_t* lengths;
   int64_t q_row, q_head;          // q strides (row, head)
   int64_t k_row, k_head;          // keys/values strides (row, key head); tokens are dim apart
@@ -53,26 +81,28 @@ struct Step {
 };
 
 // One row and one key head: its `group` query heads against the row's first n keys.
-void attend_row(const Step& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+template <typename T>
+void attend_row(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+  using D = Dot<T>;
   const int64_t group = a.heads / a.kv_heads, dim = a.dim, n = a.lengths[row];
-  const int64_t chunks = dim / 32;  // 32 bfloat16 (16 pairs) a dot-product step
+  const int64_t chunks = dim / D::kStep;
   scores.resize(group * n);
-  const bf16* keys = a.keys + row * a.k_row + kv_head * a.k_head;
-  const bf16* values = a.values + row * a.v_row + kv_head * a.v_head;
-  __m512bh q[kMaxGroup][kMaxWidth / 32];
+  const T* keys = a.keys + row * a.k_row + kv_head * a.k_head;
+  const T* values = a.values + row * a.v_row + kv_head * a.v_head;
+  typename D::Vector q[kMaxGroup][kMaxWidth / D::kStep];
   for (int64_t g = 0; g < group; ++g) {
-    const bf16* qg = a.q + row * a.q_row + (kv_head * group + g) * a.q_head;
-    for (int64_t c = 0; c < chunks; ++c) q[g][c] = load_pairs(qg + c * 32);
+    const T* qg = a.q + row * a.q_row + (kv_head * group + g) * a.q_head;
+    for (int64_t c = 0; c < chunks; ++c) q[g][c] = D::load(qg + c * D::kStep);
   }
   float peak[kMaxGroup];
   std::fill(peak, peak + group, -std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; ++j) {
-    const bf16* kj = keys + j * dim;
+    const T* kj = keys + j * dim;
     __m512 acc[kMaxGroup];
     for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      __m512bh k = load_pairs(kj + c * 32);
-      for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], k, q[g][c]);
+      const auto k = D::load(kj + c * D::kStep);
+      for (int64_t g = 0; g < group; ++g) acc[g] = D::add(acc[g], k, q[g][c]);
     }
     for (int64_t g = 0; g < group; ++g) {
       float s = _mm512_reduce_add_ps(acc[g]) * a.scale;
@@ -98,25 +128,44 @@ void attend_row(const Step& a, int64_t row, int64_t kv_head, std::vector<float>&
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < vectors; ++d) out[g][d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const bf16* vj = values + j * dim;
+    const T* vj = values + j * dim;
     for (int64_t d = 0; d < vectors; ++d) {
-      __m512 v = xllm_simd::load_bf16(vj + d * 16, 0xFFFF);
+      __m512 v = D::widen(vj + d * 16);
       for (int64_t g = 0; g < group; ++g) out[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, out[g][d]);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    bf16* o = a.out + (row * a.heads + kv_head * group + g) * dim;
+    T* o = a.out + (row * a.heads + kv_head * group + g) * dim;
     const __m512 inverse = _mm512_set1_ps(1.f / total[g]);
-    for (int64_t d = 0; d < vectors; ++d) xllm_simd::store_bf16(o + d * 16, _mm512_mul_ps(out[g][d], inverse), 0xFFFF);
+    for (int64_t d = 0; d < vectors; ++d) D::store(o + d * 16, _mm512_mul_ps(out[g][d], inverse));
   }
 }
 
+template <typename T>
+void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* n,
+                 at::Tensor& out, double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(1);
+  Step<T> a{reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(keys.data_ptr()),
+            reinterpret_cast<const T*>(values.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), n,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+            heads, kv_heads, dim, static_cast<float>(scale)};
+  const int64_t items = rows * kv_heads;
+  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; item += step) attend_row(a, item / kv_heads, item % kv_heads, scores);
+  };
+  xllm_parallel::interleaved_items(items, run);
+}
+
 // q [rows, heads, dim]; keys/values [rows.., kv_heads, capacity, dim] (a slab view: tokens dim
-// apart); lengths [rows] int64: the keys each row reads -> [rows, heads, dim].
+// apart), all bfloat16 or all float32; lengths [rows] int64: the keys each row reads ->
+// [rows, heads, dim].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& lengths, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "q, keys and values must be bfloat16 or float32");
   for (const at::Tensor* x : {&q, &keys, &values}) {
-    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kBFloat16, "q, keys and values must be bfloat16 CPU tensors");
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == dtype, "q, keys and values: CPU tensors of one dtype");
     TORCH_CHECK(x->stride(-1) == 1, "the last dimension must be contiguous");
   }
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q [rows, heads, dim], keys/values [rows, kv_heads, capacity, dim]");
@@ -129,16 +178,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t* n = lengths.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(n[r] > 0 && n[r] <= keys.size(2), "a row reads 1..capacity keys");
   auto out = at::empty({rows, heads, dim}, q.options());
-  Step a{reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(keys.data_ptr()),
-         reinterpret_cast<const bf16*>(values.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), n,
-         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-         heads, kv_heads, dim, static_cast<float>(scale)};
-  const int64_t items = rows * kv_heads;
-  auto run = [&](int64_t begin, int64_t end, int64_t step) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; item += step) attend_row(a, item / kv_heads, item % kv_heads, scores);
-  };
-  xllm_parallel::interleaved_items(items, run);
+  if (dtype == at::kFloat) {
+    attend_rows<float>(q, keys, values, n, out, scale);
+  } else {
+    attend_rows<bf16>(q, keys, values, n, out, scale);
+  }
   return out;
 }
 
