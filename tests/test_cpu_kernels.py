@@ -1,7 +1,8 @@
-"""Our fused bfloat16 CPU kernels (xllm_async/model/cpu_kernels.py) against the eager code they
-replace: bit for bit where no sum is involved, within a bfloat16 step where RMSNorm sums in
-another order; packed attention (CPUs with AVX512-BF16) against float32 attention of each prompt alone;
-and a whole bfloat16 model with them against itself without them."""
+"""Our fused CPU kernels (xllm_async/model/cpu_kernels.py) against the eager code they replace:
+in bfloat16 bit for bit where no sum is involved, within a bfloat16 step where RMSNorm sums in
+another order; in float32 within float32 rounding; packed attention (CPUs with AVX512-BF16)
+against float32 attention of each prompt alone; and a whole model with them against itself without
+them."""
 
 from __future__ import annotations
 
@@ -61,6 +62,38 @@ def test_rotary_and_silu_match_the_eager_code_bit_for_bit(rows):
     gate, up = gate_up.chunk(2, dim=-1)
     fused, eager = torch.ops.xllm.silu_mul(gate_up), F.silu(gate) * up
     assert_within_a_step(fused, eager)  # (exp is ours: equal but for rare last-bit roundings)
+
+
+@pytest.mark.skipif(not cpu_kernels.wanted(torch.device("cpu"), torch.float32),
+                    reason="no AVX512-BF16 here: float32 keeps the eager elementwise code")
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_float32_kernels_compute_what_the_eager_float32_code_does(rows):
+    """In float32 nothing is rounded: rotary and SiLU x up equal to float32 rounding (our exp is
+    within 2 ulps), the norms within float32 summation order; every output float32."""
+    x, residual, weight = (randn(rows, 96, seed=s).float() for s in (1, 2, 3))
+    weight = weight[0]
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.xllm.rms_norm(x, weight, EPS), F.rms_norm(x, (96,), weight, EPS), **close)
+    total, normed = torch.ops.xllm.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(total, residual + x)
+    torch.testing.assert_close(normed, F.rms_norm(residual + x, (96,), weight, EPS), **close)
+    qkv = randn(rows, 8 * 16, seed=5).float()
+    q = qkv[:, 32:].view(rows, 6, 16)
+    angles = torch.rand(rows, 8, generator=torch.Generator().manual_seed(6)) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    head_weight = weight[:16].contiguous()
+    torch.testing.assert_close(torch.ops.xllm.rope(q, cos, sin, None, 0.0),
+                               apply_rotary(q, cos[:, None], sin[:, None]), **close)
+    torch.testing.assert_close(torch.ops.xllm.rope(q, cos, sin, head_weight, EPS),
+                               apply_rotary(F.rms_norm(q, (16,), head_weight, EPS), cos[:, None], sin[:, None]),
+                               **close)
+    gate_up = randn(rows, 2 * 48, seed=8).float()
+    gate, up = gate_up.chunk(2, dim=-1)
+    fused = torch.ops.xllm.silu_mul(gate_up)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, F.silu(gate) * up, **close)
+    with pytest.raises(RuntimeError, match="dtype"):  # tensors of two dtypes are refused
+        torch.ops.xllm.rms_norm(x, weight.bfloat16(), EPS)
 
 
 needs_attention_kernel = pytest.mark.skipif(cpu_kernels.varlen_attention() is None,
@@ -204,7 +237,7 @@ def test_silu_of_large_activations_is_finite_as_eager():
 
 def test_kernels_refuse_what_they_do_not_handle():
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.xllm.rms_norm(torch.ones(2, 4), torch.ones(4), EPS)
+        torch.ops.xllm.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), EPS)
     with pytest.raises(RuntimeError, match="weight"):
         torch.ops.xllm.rms_norm(torch.ones(2, 4).bfloat16(), torch.ones(3).bfloat16(), EPS)
 
@@ -240,7 +273,7 @@ def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, mo
     assert same >= 0.8 * sum(len(x) for x in ours)  # (bfloat16: roundings differ, a random model's ties flip)
 
 
-def test_a_bfloat16_model_answers_the_same_with_and_without_them(tiny_model_dir):
+def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
     from xllm_async.runtime.model_runner import ModelRunner
 
     fused = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
@@ -257,7 +290,17 @@ def test_a_bfloat16_model_answers_the_same_with_and_without_them(tiny_model_dir)
     assert torch.allclose(a, b, atol=0.1, rtol=0.05)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
     float32 = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
-    assert not float32.model.fused  # float32 keeps the eager code (compared with transformers)
+    # float32 takes them where their vector paths exist, and answers as its eager code does
+    assert float32.model.fused == cpu_kernels.wanted(torch.device("cpu"), torch.float32)
+    if float32.model.fused:
+        with torch.inference_mode():
+            a, _ = float32.prefill(prompts)
+            for module in float32.model.modules():
+                if getattr(module, "fused", False):
+                    module.fused = False
+            b, _ = float32.prefill(prompts)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_without_a_compiler_the_model_runs_its_eager_code_and_says_so(tiny_model_dir, tmp_path, monkeypatch, caplog):

@@ -1,5 +1,6 @@
 """Our fused bfloat16 CPU kernels (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm,
-rotary embedding (after Qwen3's per-head norm), SiLU x up. Each is one pass over memory where
+rotary embedding (after Qwen3's per-head norm), SiLU x up (since the sixteenth session in float32
+too, on CPUs with AVX512-BF16). Each is one pass over memory where
 the eager code makes four to eight; a bfloat16 prefill spent half its time in such passes
 (perf/RESULTS.md, tenth session). Since the eleventh: on CPUs with AMX, causal attention over a
 whole batch of packed prompts in one call and a beam round's prompt stage
@@ -59,6 +60,7 @@ _decode = None  # torch.ops.xllm.decode_attention, likewise
 # ("amx" or "avx512_bf16"), else None.
 _linear_isa: str | None = None
 _float32_linear = False  # whether torch.ops.xllm.linear takes float32 here (and computed right)
+_float32_fused = False  # whether the elementwise kernels take float32 here (their vector paths)
 # The instruction sets our library is built for (torch.ops.xllm.linear_isa), as start-up names them.
 ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
 
@@ -172,9 +174,19 @@ def _working_float32_linear() -> bool:
     return bool((out == weight.sum(1)).all())
 
 
+def _working_float32_fused() -> bool:
+    """Whether the elementwise kernels' float32 paths are in this build (AVX512-BF16) and compute
+    right here: an RMSNorm of ones is its weight."""
+    try:
+        out = torch.ops.xllm.rms_norm(torch.ones(2, 16), torch.full((16,), 3.0), 1e-6)
+    except RuntimeError:  # (a build without the vector paths refuses float32)
+        return False
+    return bool(torch.allclose(out, torch.full((2, 16), 3.0)))
+
+
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix, _topk, _decode, _linear_isa, _float32_linear
+    global _loaded, _varlen, _prefix, _topk, _decode, _linear_isa, _float32_linear, _float32_fused
     with _lock:
         if _loaded is None:
             try:
@@ -185,6 +197,7 @@ def available() -> bool:
                 _decode = getattr(torch.ops.xllm, "decode_attention", None)
                 _linear_isa = _working_linear()
                 _float32_linear = _working_float32_linear()
+                _float32_fused = _working_float32_fused()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded = False
@@ -223,9 +236,12 @@ def prefix_attention():
 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Only bfloat16 on CPU: float32 keeps the eager code, which the tests compare with
-    transformers token for token (a fused RMSNorm sums in another order)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and available()
+    """bfloat16 on CPU wherever the library loaded; float32 where its vector paths take float32
+    too (CPUs with AVX512-BF16). The tests compare float32 with transformers token for token: a
+    fused norm sums its squares in another order, nothing else differs."""
+    if device.type != "cpu" or not available():
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and _float32_fused)
 
 
 if __name__ == "__main__":

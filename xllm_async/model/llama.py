@@ -175,8 +175,9 @@ class CausalLM(nn.Module):
 
 
 def use_fused_kernels(model: nn.Module) -> None:
-    """Switch the elementwise steps to our fused bfloat16 CPU kernels (cpu_kernels.py; the caller
-    checks that they loaded): every norm, q/k norm + rotary, residual add + norm, SiLU x up."""
+    """Switch the elementwise steps to our fused CPU kernels, bfloat16 or float32 (cpu_kernels.py;
+    the caller checks that they loaded and take the model's dtype): every norm, q/k norm + rotary,
+    residual add + norm, SiLU x up."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMlp, CausalLM)):
             module.fused = True

@@ -85,7 +85,7 @@ class ModelRunner:
                          linear_name(packing, self.dtype))
             if cpu_kernels.wanted(device, self.dtype):
                 use_fused_kernels(self.model)
-                log.info("norms, rotary and SiLU on our fused bfloat16 CPU kernels")
+                log.info("norms, rotary and SiLU on our fused %s CPU kernels", str(self.dtype).removeprefix("torch."))
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
         self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
         shape = self.model.shape
