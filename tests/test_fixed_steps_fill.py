@@ -357,6 +357,38 @@ async def test_beside_a_long_generation_a_free_slot_starts_as_before(wide_slot):
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
 
 
+async def test_beside_a_long_generation_on_every_core_long_ones_join_it(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher.add([request(max_tokens=500)])  # alone: its decode steps take every core
+    batcher.add([request(max_tokens=200), request(max_tokens=300)])
+    assert [len(b) for b in await started(batcher, slots)] == [1]  # slot 1 stays idle...
+    assert len(batcher._joining[0]) == 2 and not batcher.waiting  # ...they join at its next step
+    batcher.add([request()])  # a short one still gets a batch of its own
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]
+
+
+async def test_long_ones_join_only_into_free_seats(wide_slot):
+    batcher, slots, clock = wide_slot
+    batcher.budget = BatchBudget(3, 8192)
+    batcher.add([request(max_tokens=500)])
+    batcher.add([request(max_tokens=500) for _ in range(3)])  # two seats left: the third starts beside
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]
+    assert len(batcher._joining[0]) == 2
+    batcher._release(slots[1], 1, 0.010)
+    batcher._joining[0].clear()  # slot 0's thread took them in...
+    batcher._seated[0] = 1  # ...and two of its three have finished since
+    batcher.add([request(max_tokens=500) for _ in range(3)])
+    assert len(batcher._joining[0]) == 2 and len(batcher.waiting) == 0  # its two free seats, and...
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1, 1]  # ...slot 1 for the last
+
+
+async def test_long_ones_do_not_join_a_batch_on_a_slot_that_cannot_widen(two_slots):
+    batcher, slots, clock = two_slots  # an accelerator's slots overlap on their own streams
+    batcher.add([request(max_tokens=500)])
+    batcher.add([request(max_tokens=500)])
+    assert [len(b) for b in await started(batcher, slots)] == [1, 1]
+
+
 async def test_after_a_wide_batch_its_own_thread_takes_what_waited(wide_slot):
     batcher, slots, clock = wide_slot
     batcher._return_delay = 0.010  # requests arrive on their own: a prefill after an answer

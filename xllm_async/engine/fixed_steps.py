@@ -56,7 +56,10 @@ class FixedStepsBatcher:
     Long generations do not make new requests wait for a whole batch: while
     every slot is busy, generation requests that arrive join a running
     generation batch of more than SHORT_BATCH_STEPS steps at its next step
-    (_join), as under the continuous scheduler. Short, prefill-heavy batches
+    (_join), as under the continuous scheduler. On a CPU they join it even
+    with a slot idle, while it runs alone on every core (_join_instead): a
+    decode step reads every weight whatever its rows, so one batch of eight
+    beats two of four on a core each. Short, prefill-heavy batches
     (recommendation, scoring) and beam searches keep running to completion.
     """
 
@@ -87,6 +90,7 @@ class FixedStepsBatcher:
         # Free slots, the most recently freed last: it is taken first, so that
         # at low load one thread (and its core's caches) does the work.
         self._idle: list = list(reversed(slots))
+        self._slots = {slot.index: slot for slot in slots}
         self._num_slots = len(slots)
         self._filling = False  # _run holds a slot while its batch fills
         # The slot running a short batch on every core (None: none is): requests that arrive meanwhile
@@ -98,6 +102,10 @@ class FixedStepsBatcher:
         # slot index -> requests handed to its running long generation batch: the loop appends,
         # only that slot's thread pops (at a step boundary), and _release puts what is left back.
         self._joining: dict[int, deque[QueuedRequest]] = {}
+        # slot index -> sequences in its running long generation batch: that slot's thread writes it
+        # at each step boundary, the loop reads it (_seats); a figure a step old only moves a joiner
+        # to the queue, or past it, one step early or late.
+        self._seated: dict[int, int] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -119,7 +127,9 @@ class FixedStepsBatcher:
         # on a lone request's latency.
         # (While a short batch runs on every core, the slot takes them itself when it ends.)
         if self._wide is None and not self._filling:
-            if self._idle and not self._worth_filling(self.busy_slots):
+            if self._idle and self._join_instead():
+                self._join(long_only=True)
+            if self._idle and self.waiting and not self._worth_filling(self.busy_slots):
                 self._start(self._take_idle())
             elif not self._idle and self._joining:
                 self._join()
@@ -158,14 +168,39 @@ class FixedStepsBatcher:
         """A finished batch's clients took this long to be back: into the running average."""
         self._return_delay += RETURN_DELAY_WEIGHT * (seconds - self._return_delay)
 
-    def _join(self) -> None:
+    def _join(self, long_only: bool = False) -> None:
         """Every slot is busy: hand the generation requests at the front of the queue to the
         running long generation batch with the fewest sequences (it prefills them at its next
-        step). A beam search at the front stops the hand-over: it waits for a slot of its own."""
+        step). A beam search at the front stops the hand-over: it waits for a slot of its own.
+        long_only (_join_instead): only long generations, and only into the batch's free seats."""
         with self._take_lock:
             while self.waiting and isinstance(self.waiting[0], EngineRequest):
                 slot_index = min(self._joining, key=lambda i: self._running[i][0] + len(self._joining[i]))
+                if long_only and not (_long_request(self.waiting[0]) and self._seats(slot_index)):
+                    return
                 self._joining[slot_index].append(self.waiting.popleft())
+
+    def _join_instead(self) -> bool:
+        """Whether the long generation at the front of the queue joins the long generation batch
+        that runs alone on every core rather than start a batch of its own on an idle slot.
+
+        On a CPU, decode is bound by reading the weights: a step reads every weight once whatever its
+        rows, so one batch on every core beats two on a core each, which read them twice at half the
+        bandwidth (SmolLM2 128 / 128 at eight clients, bfloat16, AMD EPYC: 313 tokens/s before this rule,
+        469 after, the continuous scheduler's 444; perf/RESULTS.md, seventeenth session). The joiner
+        waits for the step under way, as under the continuous scheduler. Short requests still start
+        beside it: a prefill-heavy batch of its own keeps fixed-steps' throughput. Not on
+        accelerators, whose slots overlap on streams of their own (not measured there)."""
+        if self.busy_slots != 1 or len(self._joining) != 1 or not self.waiting:
+            return False
+        (slot_index,) = self._joining
+        return (self._slots[slot_index].binding.can_widen and _long_request(self.waiting[0])
+                and self._seats(slot_index) > 0)
+
+    def _seats(self, slot_index: int) -> int:
+        """Sequences a running generation batch can still take in (max_seqs_per_batch)."""
+        seated = self._seated.get(slot_index, self._running[slot_index][0])
+        return self.budget.max_seqs - seated - len(self._joining[slot_index])
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -349,6 +384,7 @@ class FixedStepsBatcher:
         self._running.pop(slot.index, None)
         if self._wide == slot.index:
             self._wide = None
+        self._seated.pop(slot.index, None)
         left = self._joining.pop(slot.index, None)
         if left:  # handed over too late for the batch that ended: first in line again
             with self._take_lock:
@@ -431,6 +467,8 @@ class FixedStepsBatcher:
                         if not batch:
                             break
                 self._deliver(batch.decode())
+                if joining is not None:
+                    self._seated[slot.index] = len(batch)
         except Exception as exc:
             log.exception("slot %d: batch of %d failed", slot.index, len(requests))
             # Every request not yet answered, those that were joining included.
@@ -444,6 +482,11 @@ class FixedStepsBatcher:
 def _short(batch: list) -> bool:
     """A prefill-bound batch: at most SHORT_BATCH_STEPS tokens a sequence."""
     return max(r.max_steps for r in batch) <= SHORT_BATCH_STEPS
+
+
+def _long_request(request: QueuedRequest) -> bool:
+    """A generation request of more than SHORT_BATCH_STEPS tokens (not a beam search)."""
+    return isinstance(request, EngineRequest) and request.max_steps > SHORT_BATCH_STEPS
 
 
 def _short_request(request: QueuedRequest) -> bool:
