@@ -376,7 +376,7 @@ async def test_long_ones_join_only_into_free_seats(wide_slot):
     assert len(batcher._joining[0]) == 2
     batcher._release(slots[1], 1, 0.010)
     batcher._joining[0].clear()  # slot 0's thread took them in...
-    batcher._seated[0] = 1  # ...and two of its three have finished since
+    batcher._generating[0] = [request(max_tokens=500)]  # ...and two of its three have finished since
     batcher.add([request(max_tokens=500) for _ in range(3)])
     assert len(batcher._joining[0]) == 2 and len(batcher.waiting) == 0  # its two free seats, and...
     assert [len(b) for b in await started(batcher, slots)] == [1, 1, 1]  # ...slot 1 for the last

@@ -102,10 +102,9 @@ class FixedStepsBatcher:
         # slot index -> requests handed to its running long generation batch: the loop appends,
         # only that slot's thread pops (at a step boundary), and _release puts what is left back.
         self._joining: dict[int, deque[QueuedRequest]] = {}
-        # slot index -> sequences in its running long generation batch: that slot's thread writes it
-        # at each step boundary, the loop reads it (_seats); a figure a step old only moves a joiner
-        # to the queue, or past it, one step early or late.
-        self._seated: dict[int, int] = {}
+        # slot index -> its running long generation batch, once its thread has made it: the loop reads
+        # its size (_seats) while the thread steps it.
+        self._generating: dict[int, GenerationBatch] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -199,7 +198,8 @@ class FixedStepsBatcher:
 
     def _seats(self, slot_index: int) -> int:
         """Sequences a running generation batch can still take in (max_seqs_per_batch)."""
-        seated = self._seated.get(slot_index, self._running[slot_index][0])
+        batch = self._generating.get(slot_index)
+        seated = len(batch) if batch is not None else self._running[slot_index][0]
         return self.budget.max_seqs - seated - len(self._joining[slot_index])
 
     async def stop(self) -> None:
@@ -384,7 +384,7 @@ class FixedStepsBatcher:
         self._running.pop(slot.index, None)
         if self._wide == slot.index:
             self._wide = None
-        self._seated.pop(slot.index, None)
+        self._generating.pop(slot.index, None)
         left = self._joining.pop(slot.index, None)
         if left:  # handed over too late for the batch that ended: first in line again
             with self._take_lock:
@@ -452,6 +452,8 @@ class FixedStepsBatcher:
                 batch = BeamSearchBatch(self.runner, requests, self.metrics, self.trie)
             else:
                 batch = GenerationBatch(self.runner, requests, self.metrics)
+                if slot.index in self._joining:
+                    self._generating[slot.index] = batch
             binding = slot.binding
             binding.share_cores(not split and self.busy_slots == 1)
             self._deliver(batch.prefill())
@@ -467,8 +469,6 @@ class FixedStepsBatcher:
                         if not batch:
                             break
                 self._deliver(batch.decode())
-                if joining is not None:
-                    self._seated[slot.index] = len(batch)
         except Exception as exc:
             log.exception("slot %d: batch of %d failed", slot.index, len(requests))
             # Every request not yet answered, those that were joining included.
