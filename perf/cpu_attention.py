@@ -1,9 +1,10 @@
-"""Our AMX attention and beam top-k kernels (xllm_async/model/csrc/varlen_attention.cpp,
+"""Our attention and beam top-k kernels (xllm_async/model/csrc/varlen_attention.cpp,
 beam_topk.cpp) against the torch operators they replace, in one process, on the shapes a server
 meets: a packed prefill of 16 prompts, a 128-beam round's prompt stage, a block of its logits.
 
-    .venv/bin/python perf/cpu_attention.py                        # one thread
+    .venv/bin/python perf/cpu_attention.py                        # one thread, bfloat16
     .venv/bin/python perf/cpu_attention.py --threads 2
+    .venv/bin/python perf/cpu_attention.py --threads 2 --dtype float32   # (no top-k row: bfloat16 only)
 
 torch's side: scaled_dot_product_attention (its fused CPU kernel) in one call for equal lengths,
 a call per prompt (each padded to a multiple of 16, as attention.py did) for mixed ones; the
@@ -43,7 +44,7 @@ def best_ms(fn, runs: int, repeats: int) -> float:
 def torch_per_prompt(q, k, v, lengths):
     outs, start = [], 0
     for n in lengths:
-        span = -(-n // 16) * 16
+        span = attention._padded_span(n, q)  # (bfloat16: a multiple of 16, as attention.py pads for torch's kernel)
         qs, ks, vs = (F.pad(x[None, start:start + n].transpose(1, 2), (0, 0, 0, span - n)) for x in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # (4-d: the fused kernel)
         outs.append(out[0, :, :n].transpose(0, 1))
@@ -53,7 +54,7 @@ def torch_per_prompt(q, k, v, lengths):
 
 def prefill_row(heads: int, kv_heads: int, dim: int, name: str, lengths: list[int], args) -> str:
     tokens = sum(lengths)
-    q, k, v = (torch.randn(tokens, h, dim).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(tokens, h, dim).to(args.dtype) for h in (heads, kv_heads, kv_heads))
     if len(set(lengths)) == 1:
         qb, kb, vb = (x.view(len(lengths), lengths[0], -1, dim).transpose(1, 2).contiguous() for x in (q, k, v))
         theirs = best_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True),
@@ -70,19 +71,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     if not cpu_kernels.available() or cpu_kernels.varlen_attention() is None:
-        raise SystemExit("our attention kernels are not available here (they need AMX)")
+        raise SystemExit("our attention kernels are not available here (they need AVX512-BF16)")
     rng = random.Random(0)
-    print(f"{cpu_model()}, {args.threads} thread(s), bfloat16, ms\n")
+    print(f"{cpu_model()}, {args.threads} thread(s), {str(args.dtype).removeprefix('torch.')}, ms\n")
     print("| case | torch | ours |\n|---|---|---|")
     for heads, kv_heads, dim in ((8, 4, 32), (16, 8, 128)):
         for name, lengths in (("16 x 320", [320] * 16), ("16 of 30-608", [rng.randint(30, 608) for _ in range(16)])):
             print(prefill_row(heads, kv_heads, dim, name, lengths, args))
     beams, heads, kv_heads, dim, length = 128, 8, 4, 64, 1000
-    q = torch.randn(beams, heads, dim).to(torch.bfloat16)
-    k, v = (torch.randn(kv_heads, length, dim).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(beams, heads, dim).to(args.dtype)
+    k, v = (torch.randn(kv_heads, length, dim).to(args.dtype) for _ in range(2))
     qg = q.view(beams, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
     theirs = best_ms(lambda: attention._attend(qg, k[None], v[None], dim ** -0.5), args.runs, args.repeats)
     ours = best_ms(lambda: torch.ops.xllm.prefix_attention(q, k, v, dim ** -0.5), args.runs, args.repeats)
@@ -90,7 +93,7 @@ def main() -> None:
           f"| {theirs:.2f} | {ours:.2f} |")
     logits = (torch.randn(128, 16384) * 3).to(torch.bfloat16)
     topk = cpu_kernels.topk_logsumexp()
-    if topk is not None:
+    if topk is not None and args.dtype == torch.bfloat16:
         theirs = best_ms(lambda: (logits.topk(128, dim=-1), torch.logsumexp(logits.float(), dim=-1)),
                          args.runs, args.repeats)
         ours = best_ms(lambda: topk(logits, 128), args.runs, args.repeats)

@@ -100,19 +100,26 @@ needs_attention_kernel = pytest.mark.skipif(cpu_kernels.varlen_attention() is No
                                             reason="no AVX512-BF16 here: packed prompts keep torch's attention")
 
 
-def packed_qkv(lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int = 9):
+def packed_qkv(lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int = 9,
+               dtype: torch.dtype = torch.bfloat16):
     """q, k, v for prompts packed end to end, strided views of one fused projection as in the model."""
-    qkv = randn(sum(lengths), (heads + 2 * kv_heads) * dim, seed=seed)
+    qkv = randn(sum(lengths), (heads + 2 * kv_heads) * dim, seed=seed).to(dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     return q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
 
 
+# bfloat16's probabilities are rounded before the values, as torch's own kernel does; float32's
+# differ from torch's float32 kernel only by sums in another order.
+TOLERANCE = {torch.bfloat16: {"atol": 3e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}
+
+
 @needs_attention_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim",
                          [(4, 2, 16), (8, 4, 32), (9, 3, 64), (16, 8, 128), (2, 2, 48), (6, 2, 80)])
-def test_packed_attention_matches_each_prompt_alone_in_float32(heads, kv_heads, dim):
+def test_packed_attention_matches_each_prompt_alone_in_float32(heads, kv_heads, dim, dtype):
     lengths = [1, 15, 16, 17, 33, 130]  # around the kernels' blocks of rows (4, 8, 16, 32) and keys (16, 32, 64)
-    q, k, v = packed_qkv(lengths, heads, kv_heads, dim)
+    q, k, v = packed_qkv(lengths, heads, kv_heads, dim, dtype=dtype)
     scale = dim ** -0.5
     out = torch.ops.xllm.varlen_attention(q, k, v, lengths, scale, False)
     last = torch.ops.xllm.varlen_attention(q, k, v, lengths, scale, True)
@@ -121,29 +128,30 @@ def test_packed_attention_matches_each_prompt_alone_in_float32(heads, kv_heads, 
     for i, n in enumerate(lengths):
         qs, ks, vs = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-        # (probabilities are rounded to bfloat16 before the values, as torch's own kernel does)
-        assert torch.allclose(out[start:start + n].float(), ref, atol=3e-2, rtol=1e-2)
+        assert out.dtype == dtype and torch.allclose(out[start:start + n].float(), ref, **TOLERANCE[dtype])
         assert torch.equal(last[i], out[start + n - 1])
         start += n
 
 
 @needs_attention_kernel
-def test_a_prompts_attention_does_not_depend_on_the_batch_around_it():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompts_attention_does_not_depend_on_the_batch_around_it(dtype):
     lengths = [40, 7, 300, 64]
-    q, k, v = packed_qkv(lengths, 8, 4, 32)
+    q, k, v = packed_qkv(lengths, 8, 4, 32, dtype=dtype)
     together = torch.ops.xllm.varlen_attention(q, k, v, lengths, 0.2, False)
     alone = torch.ops.xllm.varlen_attention(q[47:347], k[47:347], v[47:347], [300], 0.2, False)
     assert torch.equal(together[47:347], alone)
 
 
 @needs_attention_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("beams,heads,kv_heads,dim,length", [(5, 4, 2, 16, 37), (128, 8, 4, 64, 300), (3, 9, 3, 64, 1)])
-def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, heads, kv_heads, dim, length):
+def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, heads, kv_heads, dim, length, dtype):
     """A beam round's prompt stage: every beam against the request's prompt keys, read in place
     from a cache slab [rows, kv_heads, capacity, dim]; the log-sum-exp is what the merge with
     the beams' own tokens needs."""
-    q = randn(beams, heads + 1, dim, seed=10)[:, :heads]  # any beam stride
-    slab = randn(3, kv_heads, length + 20, dim, seed=11)
+    q = randn(beams, heads + 1, dim, seed=10)[:, :heads].to(dtype)  # any beam stride
+    slab = randn(3, kv_heads, length + 20, dim, seed=11).to(dtype)
     k, v = slab[1, :, :length], slab[2, :, :length]
     out, lse = torch.ops.xllm.prefix_attention(q, k, v, dim ** -0.5)
     group = heads // kv_heads
@@ -151,17 +159,18 @@ def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, head
     scores = torch.matmul(qf, k.float().transpose(-1, -2)) * dim ** -0.5
     ref = torch.matmul(scores.softmax(-1), v.float()).view(kv_heads, beams, group, dim).transpose(0, 1)
     ref_lse = scores.logsumexp(-1).view(kv_heads, beams, group).transpose(0, 1)
-    assert torch.allclose(out.float(), ref.reshape(beams, heads, dim), atol=3e-2, rtol=1e-2)
+    assert out.dtype == dtype and torch.allclose(out.float(), ref.reshape(beams, heads, dim), **TOLERANCE[dtype])
     assert torch.allclose(lse, ref_lse.reshape(beams, heads), atol=1e-3, rtol=1e-4)
 
 
 @needs_attention_kernel
-def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_model_dir, monkeypatch, dtype):
     from xllm_async.runtime.model_runner import ModelRunner
 
     from .test_native_engine import run_beams
 
-    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
     runner.set_kv_cache(64 << 20, 1)
     prompts, widths, rounds = random_prompts(18, [30, 12, 50]), [4, 16, 8], [3, 3, 2]
     calls = []
@@ -173,7 +182,7 @@ def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_m
     theirs = run_beams(runner, prompts, widths, rounds)
     # The same beams found, in whatever order: bfloat16 sums in another order move close scores.
     same = sum(len({tuple(t) for t, _ in x} & {tuple(t) for t, _ in y}) for x, y in zip(ours, theirs))
-    assert same >= 0.8 * sum(widths)
+    assert same >= (0.8 if dtype == "bfloat16" else 1) * sum(widths)
 
 
 @pytest.mark.skipif(cpu_kernels.topk_logsumexp() is None, reason="no AVX512-BF16 here: beams keep torch.topk")
@@ -216,7 +225,9 @@ def test_decode_attention_reads_each_rows_slab_as_float32_attention_does(heads, 
 @needs_attention_kernel
 def test_packed_attention_refuses_what_it_does_not_handle():
     q, k, v = packed_qkv([5, 6], 4, 2, 32)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        torch.ops.xllm.varlen_attention(q.half(), k.half(), v.half(), [5, 6], 1.0, False)
+    with pytest.raises(RuntimeError, match="q's dtype"):  # all in one dtype
         torch.ops.xllm.varlen_attention(q.float(), k, v, [5, 6], 1.0, False)
     with pytest.raises(RuntimeError, match="add up"):
         torch.ops.xllm.varlen_attention(q, k, v, [5, 5], 1.0, False)
@@ -243,12 +254,13 @@ def test_kernels_refuse_what_they_do_not_handle():
 
 
 @needs_attention_kernel
-def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, monkeypatch, dtype):
     """Prefill with our kernel (into a cache, and as new rows of a cache in use, as the continuous
     scheduler does), then decode: the same tokens as with torch's attention a prompt at a time."""
     from xllm_async.runtime.model_runner import ModelRunner
 
-    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
     first, later = random_prompts(41, [9, 70, 33]), random_prompts(42, [50, 4])
 
     def greedy(steps: int = 4) -> list[list[int]]:
@@ -269,6 +281,8 @@ def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, mo
     assert [9, 70, 33] in calls and [50, 4] in calls  # (the tiny model's heads are 16 wide)
     monkeypatch.setattr(cpu_kernels, "_varlen", None)
     theirs = greedy()
+    if dtype == "float32":  # (sums in another order only)
+        assert ours == theirs
     same = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
     assert same >= 0.8 * sum(len(x) for x in ours)  # (bfloat16: roundings differ, a random model's ties flip)
 

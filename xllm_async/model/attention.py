@@ -3,10 +3,10 @@ one of these context objects (built once, shared by every layer), so the model
 code says only what the model computes; the bookkeeping lives here.
 
 - PackedPrefill: prompts concatenated without padding, causal attention per
-  sequence, keys written to the cache. In bfloat16 on a CPU with AVX512-BF16 (on
-  AMX tiles where it has them), one call of our kernel for the whole batch
-  (csrc/varlen_attention.cpp); elsewhere torch's kernel, a call per run of
-  equal-length neighbours.
+  sequence, keys written to the cache. In bfloat16 or float32 on a CPU with
+  AVX512-BF16 (bfloat16 on AMX tiles where it has them), one call of our kernel
+  for the whole batch (csrc/varlen_attention.cpp); elsewhere torch's kernel, a
+  call per run of equal-length neighbours.
 - Decode: one new token per row against its slab of the cache (a view).
 - BeamDecode: the beams of a request share its prompt's keys, stored once; each
   round attends to the prompt once for all beams (one batched product), then to
@@ -87,6 +87,12 @@ def _attend_few(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return (torch.matmul(weights, values.float()) / total).to(q.dtype), peak + total.log()
 
 
+# What our attention kernels take: bfloat16 and float32 (csrc/decode_attention.cpp since the
+# sixteenth session; csrc/varlen_attention.cpp since the eighteenth, float32 on FMAs, where
+# torch's kernel was 2.3-5x slower).
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def _kernel_width(dim: int) -> bool:
     """Head widths our attention kernels take (csrc/varlen_attention.cpp)."""
     return dim % 16 == 0 and dim <= 512
@@ -136,7 +142,7 @@ class PackedPrefill:
         kv_heads = k.shape[1]
         kernel = cpu_kernels.varlen_attention()
         self._store(layer, k, v)
-        if kernel is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and _kernel_width(dim):
+        if kernel is not None and q.dtype in _KERNEL_DTYPES and q.device.type == "cpu" and _kernel_width(dim):
             return kernel(q, k, v, self.lengths, scale, self.last_only).view(-1, heads * dim)
         outs = []
         row = self.first_row
@@ -175,9 +181,6 @@ class PackedPrefill:
             row += count
 
 
-_DECODE_DTYPES = (torch.bfloat16, torch.float32)  # what csrc/decode_attention.cpp takes
-
-
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
@@ -204,7 +207,7 @@ class Decode:
         keys.view(-1, dim).index_copy_(0, self.slots, k.reshape(-1, dim))
         values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim))
         kernel = cpu_kernels.decode_attention()
-        if (kernel is not None and q.dtype in _DECODE_DTYPES and q.device.type == "cpu" and dim % 32 == 0
+        if (kernel is not None and q.dtype in _KERNEL_DTYPES and q.device.type == "cpu" and dim % 32 == 0
                 and dim <= 256 and heads // kv_heads <= 8):
             # Every row in one call of our kernel (csrc/decode_attention.cpp), not a call per run of
             # equal lengths: continuous batching's rows mostly differ.
@@ -261,7 +264,7 @@ class BeamDecode:
         # [kv_heads, beams x group, dim] against [kv_heads, prompt, dim].
         prompt_keys, prompt_values = self.prompts.keys(layer), self.prompts.values(layer)
         kernel = cpu_kernels.prefix_attention()
-        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not _kernel_width(dim):
+        if q.dtype not in _KERNEL_DTYPES or q.device.type != "cpu" or not _kernel_width(dim):
             kernel = None
         outs = []
         for row, (first, end) in enumerate(zip(self.starts, self.starts[1:])):

@@ -1,4 +1,4 @@
-// Causal attention over packed prompts in bfloat16 on CPU, one call for a whole batch
+// Causal attention over packed prompts in bfloat16 or float32 on CPU, one call for a whole batch
 // (model/attention.py PackedPrefill; built with cpu_kernels.cpp into one library).
 //
 // torch's fused CPU attention took a third of a bfloat16 prefill here (16 x 320 tokens, head
@@ -16,11 +16,10 @@
 // prompt's result never depends on the batch around it. 16 x 320 tokens: 4.2 ms a layer.
 //
 // Two ways to compute a block's products, picked when the library is compiled (-march=native):
-// - on CPUs with AMX, tile products (block_amx);
-// - on CPUs with AVX512-BF16 but no AMX (AMD EPYC Zen 4/5 here), dot products of bfloat16 pairs
-//   on 16 lanes (block_dot), over the same packed keys and values: there torch's fused kernel has
-//   no tiles either and was half of a bfloat16 prefill (16 x 320 tokens of the 4-layer model:
-//   12.6 ms a layer, perf/RESULTS.md, fourteenth session).
+// - bfloat16 on CPUs with AMX: tile products (block_amx);
+// - bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD EPYC Zen 4/5 here), and float32 on every
+//   CPU the library is built for: products on 16 float32 lanes (block_lanes), dot products of
+//   bfloat16 pairs over the same packed keys and values, FMAs over float32 ones.
 // Elsewhere the operators are absent and attention.py keeps torch's kernel (an AVX512-BF16
 // version measured slower than torch's kernel with AMX on the Intel Xeon, so CPUs with AMX keep
 // the tiles).
@@ -44,6 +43,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -67,20 +68,23 @@ inline float row_max(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(peak);
 }
 
+// T: bf16 or float, the element type of queries, keys, values and outputs.
+template <typename T>
 struct Packed {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
-  bf16* out;
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
   int64_t q_stride, k_stride, v_stride;  // between tokens
   int64_t heads, kv_heads, dim;
-  int64_t wide;  // dim rounded up to 32: the packed layouts' width, zeros past dim
+  int64_t wide;  // bfloat16: dim rounded up to 32, the packed layouts' width, zeros past dim; float32: dim
   float scale;
 };
 
 // Scratch for one sequence and key head, reused by a thread across them.
+template <typename T>
 struct Scratch {
-  std::vector<bf16> keys, values, probs, queries;
+  std::vector<T> keys, values, probs, queries;
   std::vector<float> scores;
 
   void fit(int64_t padded, int64_t wide) {
@@ -94,8 +98,9 @@ struct Scratch {
 
 // Where the rows of a block come from and go to: row i of a sequence's (position, head of the
 // group) rows, position-major, from query position `first` on.
+template <typename T>
 struct Block {
-  bf16* out[kBlockRows];
+  T* out[kBlockRows];
   float* lse[kBlockRows];    // where a row's log-sum-exp goes (the prompt stage of a beam round), or null
   int64_t seen[kBlockRows];  // keys the row may see (causal: its position + 1; a prompt stage: all)
   int rows;                 // real rows; the rest repeat the last one and are not written
@@ -116,34 +121,49 @@ inline __m512 exp2_softmax(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax of each row's scores over the keys it sees, times `scale` inside the exponential;
-// probabilities rounded to bfloat16 (as torch's kernel does before multiplying the values), up
+// Softmax of each row's scores over the keys it sees, times `scale` inside the exponential, up
 // to `width` (a multiple of 16) with zeros past what the row sees; inverse[r] = 1 / the row's
-// float32 sum.
-void softmax_rows(const Block& b, int count, const float* scores, bf16* probs, int64_t width, float scale,
+// float32 sum. Probabilities in T: in bfloat16 rounded as torch's kernel rounds them before
+// multiplying the values, their exponential the short exp2_softmax (far inside that rounding);
+// in float32 kept as they are, their exponential the full-precision one (the tests compare
+// float32 with transformers token for token).
+template <typename T>
+void softmax_rows(const Block<T>& b, int count, const float* scores, T* probs, int64_t width, float scale,
                   float* inverse) {
-  const float log2_scale = scale * 1.44269504088896341f;  // e^(x scale) = 2^(x scale log2(e))
-  const __m512 vscale = _mm512_set1_ps(log2_scale);
+  constexpr bool kHalf = std::is_same_v<T, bf16>;
+  const float unit = kHalf ? scale * 1.44269504088896341f : scale;  // e^(x scale) = 2^(x scale log2(e))
+  const __m512 vscale = _mm512_set1_ps(unit);
   for (int r = 0; r < count; ++r) {
     const float* sr = scores + r * width;
-    bf16* pr = probs + r * width;
+    T* pr = probs + r * width;
     const int64_t seen = b.seen[r];
-    const float peak = row_max(sr, seen) * log2_scale;  // in log2 units
+    const float peak = row_max(sr, seen) * unit;  // in the exponential's units
     const __m512 shift = _mm512_set1_ps(peak);
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < width; j += kKeys) {
       const int64_t left = seen - j;
       __m512 e = _mm512_setzero_ps();
       if (left > 0) {
-        e = exp2_softmax(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, shift));
+        const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, shift);
+        if constexpr (kHalf) {
+          e = exp2_softmax(t);
+        } else {
+          e = xllm_simd::exp(t);
+        }
         if (left < kKeys) e = _mm512_maskz_mov_ps(xllm_simd::lanes(left), e);
         total = _mm512_add_ps(total, e);
       }
-      xllm_simd::store_bf16(pr + j, e, 0xFFFF);
+      if constexpr (kHalf) {
+        xllm_simd::store_bf16(pr + j, e, 0xFFFF);
+      } else {
+        _mm512_storeu_ps(pr + j, e);
+      }
     }
     const float sum = _mm512_reduce_add_ps(total);
     inverse[r] = 1.f / sum;
-    if (b.lse[r] != nullptr) *b.lse[r] = peak * 0.693147180559945309f + std::log(sum);  // ln of sum e^(x scale)
+    if (b.lse[r] != nullptr) {  // ln of sum e^(x scale)
+      *b.lse[r] = (kHalf ? peak * 0.693147180559945309f : peak) + std::log(sum);
+    }
   }
 }
 
@@ -159,13 +179,14 @@ inline void write_row(bf16* o, const float* values, float inverse, int64_t n) {
 // an AMX tile), values as [key pair][dim][2] (16 dims of two keys), both `wide` dims wide and
 // zero past `length` up to `padded` (a multiple of 32).
 // One key head's keys and values: token j's at k + j * k_stride and v + j * v_stride.
+template <typename T>
 struct KeySpan {
-  const bf16* k;
-  const bf16* v;
+  const T* k;
+  const T* v;
   int64_t k_stride, v_stride;
 };
 
-void pack(const Packed& a, Scratch& s, const KeySpan& kv, int64_t length, int64_t padded) {
+void pack(const Packed<bf16>& a, Scratch<bf16>& s, const KeySpan<bf16>& kv, int64_t length, int64_t padded) {
   const int64_t dim = a.dim, wide = a.wide;
   // Keys: a dim pair of 16 keys is one gather (16 scalar copies a pair took a sixth of the time).
   bf16* kp = s.keys.data();
@@ -230,7 +251,7 @@ bool amx_permitted() {
 // A block of 32 query rows: two tiles of rows against two tiles of keys (or values) at a time,
 // into four accumulators, so that every tile loaded serves two products: with one tile of rows,
 // loading keys and values from L2 kept the tile unit waiting (16 x 320 tokens, 16 heads of 128: 27.6 -> 19.8 ms).
-void block_amx(const Packed& a, Scratch& s, const Block& b) {
+void block_amx(const Packed<bf16>& a, Scratch<bf16>& s, const Block<bf16>& b) {
   const int64_t wide = a.wide;
   const int64_t width = (b.span + 31) / 32 * 32;  // whole tiles of probabilities (32 keys)
   const bf16* qs = s.queries.data();
@@ -319,133 +340,196 @@ class Tiles {
 bool amx_permitted() { return true; }
 struct Tiles {};
 
-// One dot product of bfloat16 pairs adds, in each of 16 float32 lanes, a[2i] b[2i] + a[2i+1] b[2i+1]:
-// with a row's pair (2 dims, or 2 keys' probabilities) in every lane, against 16 keys' (or 16
-// dims') pairs packed side by side, it is one step of 16 scores (or outputs).
-inline __m512bh pair_of(const bf16* p) {
-  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+#endif  // __AMX_BF16__
+
+// Float32 (AVX512-BF16 implies AVX512F): torch's fused kernel in float32 was a third of a prefill
+// here (16 x 320 tokens of the 4-layer model: 0.91 ms a prompt-layer, perf/RESULTS.md,
+// seventeenth session). Keys as [block of 16 keys][dim][key] (a dim of 16 keys is one vector),
+// values as [key][dim], zero past `length` up to `padded`.
+void pack(const Packed<float>& a, Scratch<float>& s, const KeySpan<float>& kv, int64_t length, int64_t padded) {
+  const int64_t dim = a.dim;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int32_t>(kv.k_stride)));
+  for (int64_t j = 0; j < padded; j += kKeys) {
+    float* dst = s.keys.data() + j * dim;
+    const int64_t left = length - j;
+    if (left <= 0) {
+      std::memset(dst, 0, kKeys * dim * sizeof(float));
+      continue;
+    }
+    const __mmask16 live = xllm_simd::lanes(left);
+    const float* src = kv.k + j * kv.k_stride;
+    for (int64_t d = 0; d < dim; ++d)
+      _mm512_storeu_ps(dst + d * kKeys, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows, src + d, 4));
+  }
+  float* vp = s.values.data();
+  for (int64_t j = 0; j < length; ++j) std::memcpy(vp + j * dim, kv.v + j * kv.v_stride, dim * sizeof(float));
+  std::memset(vp + length * dim, 0, (padded - length) * dim * sizeof(float));
 }
 
-inline __m512bh vector_at(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+// A block's products on 16 float32 lanes, for what AMX does not take: bfloat16 on CPUs with
+// AVX512-BF16 but no AMX (AMD EPYC Zen 4/5 here; there torch's fused kernel has no tiles either
+// and was half of a bfloat16 prefill: 16 x 320 tokens of the 4-layer model, 12.6 ms a layer,
+// perf/RESULTS.md, fourteenth session), and float32 everywhere.
+// A step adds, in each lane, a row's value times the lane's: bfloat16 pairs by one dot product
+// (two products a lane: 2 dims, or 2 keys' probabilities, against 16 keys' or 16 dims' pairs
+// packed side by side), float32 by an FMA. kPair: the products a step adds to a lane.
+template <typename T>
+struct Lanes;
 
-// Scores of query rows [r0, r0 + R) against keys [k0, k0 + 16 N): R x N accumulators, so that
-// each loaded vector of keys serves R rows and each broadcast row pair N vectors of keys.
-template <int R, int N>
-inline void scores_dot(const bf16* qs, const bf16* kp, int64_t wide, int64_t k0, float* scores, int64_t width) {
+template <>
+struct Lanes<bf16> {
+  static constexpr int kPair = 2;
+  using Vector = __m512bh;
+  static Vector load(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Vector broadcast(const bf16* p) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+  static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static void store(bf16* p, __m512 x, __mmask16 live) { xllm_simd::store_bf16(p, x, live); }
+};
+
+template <>
+struct Lanes<float> {
+  static constexpr int kPair = 1;
+  using Vector = __m512;
+  static Vector load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vector broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_fmadd_ps(a, b, acc); }
+  static void store(float* p, __m512 x, __mmask16 live) { _mm512_mask_storeu_ps(p, live, x); }
+};
+
+// Scores of query rows [0, R) against keys [k0, k0 + 16 N): R x N accumulators, so that each
+// loaded vector of keys serves R rows and each broadcast query step N vectors of keys.
+template <typename T, int R, int N>
+inline void scores_lanes(const T* qs, const T* kp, int64_t wide, int64_t k0, float* scores, int64_t width) {
+  using L = Lanes<T>;
   __m512 acc[R][N];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
-  const bf16* keys = kp + k0 * wide;  // block k0 / 16 of [block][dim pair][key][2]
-  for (int64_t p = 0; p < wide / 2; ++p) {
-    __m512bh kv[N];
-    for (int n = 0; n < N; ++n) kv[n] = vector_at(keys + n * kKeys * wide + p * 2 * kKeys);
+  const T* keys = kp + k0 * wide;  // block k0 / 16 of the packed keys
+  for (int64_t p = 0; p < wide / L::kPair; ++p) {
+    typename L::Vector kv[N];
+    for (int n = 0; n < N; ++n) kv[n] = L::load(keys + n * kKeys * wide + p * L::kPair * kKeys);
     for (int r = 0; r < R; ++r) {
-      const __m512bh qv = pair_of(qs + r * wide + 2 * p);
-      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], qv, kv[n]);
+      const typename L::Vector qv = L::broadcast(qs + r * wide + L::kPair * p);
+      for (int n = 0; n < N; ++n) acc[r][n] = L::add(acc[r][n], qv, kv[n]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < N; ++n) _mm512_storeu_ps(scores + r * width + k0 + n * kKeys, acc[r][n]);
 }
 
-// Outputs of rows [0, R) (probabilities `probs`, `width` apart) at dims [d0, d0 + 16 N) over
-// `width` keys (key pairs of [key pair][dim][2] values), times each row's 1 / total, as bfloat16.
-template <int R, int N>
-inline void values_dot(const Block& b, int r0, const bf16* probs, const bf16* vp, int64_t wide, int64_t d0,
-                       int64_t width, int64_t dim, const float* inverse) {
+// Outputs of rows [r0, r0 + R) at dims [d0, d0 + 16 N) over their first `keys` keys (a multiple
+// of kPair), times each row's 1 / total.
+template <typename T, int R, int N>
+inline void values_lanes(const Block<T>& b, int r0, const T* probs, const T* vp, int64_t wide, int64_t d0,
+                         int64_t width, int64_t keys, int64_t dim, const float* inverse) {
+  using L = Lanes<T>;
   __m512 acc[R][N];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < width; j += 2) {
-    const bf16* pairs = vp + (j / 2) * wide * 2 + d0 * 2;
-    __m512bh vv[N];
-    for (int n = 0; n < N; ++n) vv[n] = vector_at(pairs + n * 2 * kKeys);
+  for (int64_t j = 0; j < keys; j += L::kPair) {
+    const T* at = vp + j * wide + d0 * L::kPair;  // key step j / kPair of the packed values
+    typename L::Vector vv[N];
+    for (int n = 0; n < N; ++n) vv[n] = L::load(at + n * L::kPair * kKeys);
     for (int r = 0; r < R; ++r) {
-      const __m512bh pv = pair_of(probs + (r0 + r) * width + j);
-      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], pv, vv[n]);
+      const typename L::Vector pv = L::broadcast(probs + (r0 + r) * width + j);
+      for (int n = 0; n < N; ++n) acc[r][n] = L::add(acc[r][n], pv, vv[n]);
     }
   }
   for (int r = 0; r < R && r0 + r < b.rows; ++r) {
     const __m512 scale = _mm512_set1_ps(inverse[r0 + r]);
     for (int n = 0; n < N; ++n) {
       const int64_t d = d0 + n * kKeys;
-      if (d < dim) xllm_simd::store_bf16(b.out[r0 + r] + d, _mm512_mul_ps(acc[r][n], scale), xllm_simd::lanes(dim - d));
+      if (d < dim) L::store(b.out[r0 + r] + d, _mm512_mul_ps(acc[r][n], scale), xllm_simd::lanes(dim - d));
     }
   }
 }
 
-// A block of up to 32 query rows on AVX512-BF16 dot products: scores 4 rows x 64 keys at a time
-// (16 accumulators, 4 vectors of keys, a broadcast: 21 of the 32 registers), the softmax as on
-// AMX, then outputs 4 rows x 64 dims (or 8 rows x 32 dims for narrow heads). Rows past b.rows
-// repeat the last one (attend_rows), so whole groups of 4 or 8 rows are always real queries.
-void block_dot(const Packed& a, Scratch& s, const Block& b) {
+// The keys rows [r0, r0 + count) see, the most of them (a causal block's first rows see fewer
+// than its last: each group of rows stops at its own).
+template <typename T>
+inline int64_t reach(const Block<T>& b, int r0, int count) {
+  return *std::max_element(b.seen + r0, b.seen + r0 + count);
+}
+
+// A block of up to 32 query rows on lanes, 8 rows at a time: scores against 32 keys a step, the
+// softmax, then outputs 32 dims a step (16 for the last of a float32 head whose width is an odd
+// multiple of 16). Groups of 8 rows: each vector of keys (or values) loaded serves 8 rows. In
+// float32, groups of 4 against 64 keys took a 16 x 320-token prefill with heads of 128 47-55 ms
+// here, groups of 8 39-41 (2 threads); bfloat16 ran as fast as on its former groups of 4.
+// Rows past b.rows repeat the last one (attend_rows), so whole groups are always real queries.
+template <typename T>
+void block_lanes(const Packed<T>& a, Scratch<T>& s, const Block<T>& b) {
+  constexpr int kRows = 8, kPair = Lanes<T>::kPair;
   const int64_t wide = a.wide;
   const int64_t width = (b.span + kKeys - 1) / kKeys * kKeys;  // whole vectors of scores
-  const bf16* qs = s.queries.data();
-  const bf16* kp = s.keys.data();
-  const bf16* vp = s.values.data();
+  const T* qs = s.queries.data();
+  const T* kp = s.keys.data();
+  const T* vp = s.values.data();
   float* scores = s.scores.data();
-  bf16* probs = s.probs.data();
-  const int rows4 = (b.rows + 3) / 4 * 4;
-  for (int r0 = 0; r0 < rows4; r0 += 4) {
-    const bf16* q4 = qs + r0 * wide;
-    float* s4 = scores + r0 * width;
+  T* probs = s.probs.data();
+  const int rows = (b.rows + kRows - 1) / kRows * kRows;
+  for (int r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t span = (reach(b, r0, kRows) + kKeys - 1) / kKeys * kKeys;
     int64_t k0 = 0;
-    for (; k0 + 4 * kKeys <= width; k0 += 4 * kKeys) scores_dot<4, 4>(q4, kp, wide, k0, s4, width);
-    for (; k0 < width; k0 += kKeys) scores_dot<4, 1>(q4, kp, wide, k0, s4, width);
+    for (; k0 + 2 * kKeys <= span; k0 += 2 * kKeys)
+      scores_lanes<T, kRows, 2>(qs + r0 * wide, kp, wide, k0, scores + r0 * width, width);
+    if (k0 < span) scores_lanes<T, kRows, 1>(qs + r0 * wide, kp, wide, k0, scores + r0 * width, width);
   }
   float inverse[kBlockRows];
   softmax_rows(b, b.rows, scores, probs, width, a.scale, inverse);
-  // Probability rows past b.rows are read by the last group of 4 (8): give them the last real
-  // row's, so that no stale scratch (perhaps NaN) is multiplied.
-  const int rows8 = (b.rows + 7) / 8 * 8;
-  for (int r = b.rows; r < std::min(rows8, kBlockRows); ++r)
-    std::memcpy(probs + r * width, probs + (b.rows - 1) * width, width * sizeof(bf16));
-  int64_t d0 = 0;
-  for (; d0 + 64 <= wide; d0 += 64)
-    for (int r0 = 0; r0 < rows4; r0 += 4) values_dot<4, 4>(b, r0, probs, vp, wide, d0, width, a.dim, inverse);
-  if (d0 < wide)  // the last 32 dims (wide is a multiple of 32)
-    for (int r0 = 0; r0 < rows8; r0 += 8) values_dot<8, 2>(b, r0, probs, vp, wide, d0, width, a.dim, inverse);
+  // Probability rows past b.rows are read by the last group: give them the last real row's, so
+  // that no stale scratch (perhaps NaN) is multiplied.
+  for (int r = b.rows; r < rows; ++r) std::memcpy(probs + r * width, probs + (b.rows - 1) * width, width * sizeof(T));
+  for (int r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t keys = (reach(b, r0, kRows) + kPair - 1) / kPair * kPair;  // (zeros past what a row sees)
+    int64_t d0 = 0;
+    for (; d0 + 2 * kKeys <= wide; d0 += 2 * kKeys)
+      values_lanes<T, kRows, 2>(b, r0, probs, vp, wide, d0, width, keys, a.dim, inverse);
+    if (d0 < wide) values_lanes<T, kRows, 1>(b, r0, probs, vp, wide, d0, width, keys, a.dim, inverse);
+  }
 }
-
-#endif  // __AMX_BF16__
 
 // Query rows [0, rows) of one key head against its `length` keys (packed into s already): a
 // block of 32 at a time; row_at(r, b, i) fills slot i of block b with row r's query, output,
 // log-sum-exp and the keys it sees.
-template <typename RowAt>
-void attend_rows(const Packed& a, Scratch& s, int64_t rows, const RowAt& row_at) {
+template <typename T, typename RowAt>
+void attend_rows(const Packed<T>& a, Scratch<T>& s, int64_t rows, const RowAt& row_at) {
   for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
-    Block b;
+    Block<T> b;
     b.rows = static_cast<int>(std::min<int64_t>(kBlockRows, rows - r0));
     for (int i = 0; i < kBlockRows; ++i) row_at(std::min(r0 + i, rows - 1), b, i);  // (a short block repeats its last row)
     b.span = *std::max_element(b.seen, b.seen + kBlockRows);
 #if defined(__AMX_BF16__)
-    block_amx(a, s, b);
-#else
-    block_dot(a, s, b);
+    if constexpr (std::is_same_v<T, bf16>) {
+      block_amx(a, s, b);
+      continue;
+    }
 #endif
+    block_lanes(a, s, b);
   }
 }
 
 // The block's query i, `wide` apart and zero past dim.
-inline void copy_query(const Packed& a, Scratch& s, int i, const bf16* q) {
-  bf16* qs = s.queries.data() + i * a.wide;
-  std::memcpy(qs, q, a.dim * sizeof(bf16));
-  if (a.wide > a.dim) std::memset(qs + a.dim, 0, (a.wide - a.dim) * sizeof(bf16));
+template <typename T>
+inline void copy_query(const Packed<T>& a, Scratch<T>& s, int i, const T* q) {
+  T* qs = s.queries.data() + i * a.wide;
+  std::memcpy(qs, q, a.dim * sizeof(T));
+  if (a.wide > a.dim) std::memset(qs + a.dim, 0, (a.wide - a.dim) * sizeof(T));
 }
 
 // One sequence (tokens [start, start + length)) and one key head: its queries from position
 // `first` on (length - 1: its last token only), written from out row `out_row` on. Rows are
 // (position, head of the group), position-major.
-void attend_one(const Packed& a, Scratch& s, int64_t start, int64_t length, int64_t kv_head, int64_t first,
+template <typename T>
+void attend_one(const Packed<T>& a, Scratch<T>& s, int64_t start, int64_t length, int64_t kv_head, int64_t first,
                 int64_t out_row) {
   const int64_t group = a.heads / a.kv_heads;
   const int64_t padded = (length + 31) / 32 * 32;
   s.fit(padded, a.wide);
   pack(a, s, {a.k + start * a.k_stride + kv_head * a.dim, a.v + start * a.v_stride + kv_head * a.dim, a.k_stride,
               a.v_stride}, length, padded);
-  attend_rows(a, s, (length - first) * group, [&](int64_t row, Block& b, int i) {
+  attend_rows(a, s, (length - first) * group, [&](int64_t row, Block<T>& b, int i) {
     int64_t pos = first + row / group, head = kv_head * group + row % group;
     copy_query(a, s, i, a.q + (start + pos) * a.q_stride + head * a.dim);
     b.out[i] = a.out + ((out_row + pos - first) * a.heads + head) * a.dim;
@@ -454,24 +538,70 @@ void attend_one(const Packed& a, Scratch& s, int64_t start, int64_t length, int6
   });
 }
 
-void check_tokens(const at::Tensor& x, const char* name, int64_t dim) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CPU tensor");
+// Queries' dtype: bfloat16 or float32, and every other tensor in it.
+void check_dtype(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "q must be bfloat16 or float32");
+}
+
+void check_tokens(const at::Tensor& x, const char* name, int64_t dim, const at::Tensor& q) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == q.scalar_type(), name, " must be a CPU tensor of q's dtype");
   TORCH_CHECK(x.dim() == 3 && x.size(2) == dim && x.stride(2) == 1 && x.stride(1) == dim,
               name, " must be [tokens, heads, dim] with contiguous heads");
 }
 
+// The packed layouts' width for a head of `dim` (Packed::wide).
+template <typename T>
+int64_t wide_for(int64_t dim) {
+  return std::is_same_v<T, bf16> ? (dim + 31) / 32 * 32 : dim;
+}
+
+template <typename T>
+inline const T* elements(const at::Tensor& x) {
+  return reinterpret_cast<const T*>(x.data_ptr());
+}
+
+// A thread's scratch and, in bfloat16 on AMX, its tile layout for the length of a call.
+template <typename T>
+struct Worker {
+  Scratch<T> s;
+  std::optional<Tiles> tiles;
+  Worker() {
+    if constexpr (std::is_same_v<T, bf16>) tiles.emplace();
+  }
+};
+
+template <typename T>
+void varlen_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef lengths,
+                 const std::vector<int64_t>& starts, float scale, bool last_only, at::Tensor& out) {
+  const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  Packed<T> a{elements<T>(q), elements<T>(k), elements<T>(v), reinterpret_cast<T*>(out.data_ptr()),
+              q.stride(0), k.stride(0), v.stride(0), heads, kv_heads, dim, wide_for<T>(dim), scale};
+  const int64_t items = static_cast<int64_t>(starts.size()) * kv_heads;
+  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+    Worker<T> w;
+    for (int64_t item = begin; item < end; item += step) {
+      int64_t seq = item / kv_heads, head = item % kv_heads, n = lengths[seq];
+      attend_one(a, w.s, starts[seq], n, head, last_only ? n - 1 : 0, last_only ? seq : starts[seq]);
+    }
+  };
+  xllm_parallel::interleaved_items(items, run);
+}
+
 // q [tokens, heads, dim], k/v [tokens, kv_heads, dim] (any token stride), prompts of `lengths`
-// packed end to end -> [tokens, heads, dim], or [prompts, heads, dim] for each one's last token.
+// packed end to end -> [tokens, heads, dim], or [prompts, heads, dim] for each one's last token;
+// all bfloat16 or all float32.
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef lengths,
                             double scale, bool last_only) {
   const int64_t dim = q.size(-1);
-  check_tokens(q, "q", dim);
-  check_tokens(k, "k", dim);
-  check_tokens(v, "v", dim);
+  check_dtype(q);
+  check_tokens(q, "q", dim, q);
+  check_tokens(k, "k", dim, q);
+  check_tokens(v, "v", dim, q);
   const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1);
+  const bool half = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(dim % 16 == 0 && dim <= 512, "head width must be a multiple of 16, at most 512");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && v.size(1) == kv_heads, "query heads must group over key heads");
-  TORCH_CHECK(k.stride(0) % 2 == 0, "keys are gathered in pairs: their token stride must be even");
+  TORCH_CHECK(!half || k.stride(0) % 2 == 0, "bfloat16 keys are gathered in pairs: their token stride must be even");
   std::vector<int64_t> starts;
   int64_t total = 0;
   for (int64_t n : lengths) {
@@ -480,24 +610,40 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
     total += n;
   }
   TORCH_CHECK(total == tokens && k.size(0) >= tokens && v.size(0) >= tokens, "lengths must add up to the tokens");
-  const int64_t seqs = static_cast<int64_t>(starts.size());
-  auto out = at::empty({last_only ? seqs : tokens, heads, dim}, q.options());
-  Packed a{reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
-           reinterpret_cast<const bf16*>(v.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
-           q.stride(0), k.stride(0), v.stride(0), heads, kv_heads, dim, (dim + 31) / 32 * 32,
-           static_cast<float>(scale)};
-  const int64_t items = seqs * kv_heads;
-  TORCH_CHECK(amx_permitted(), "this process may not use AMX (arch_prctl refused)");
+  auto out = at::empty({last_only ? static_cast<int64_t>(starts.size()) : tokens, heads, dim}, q.options());
+  if (half) {
+    TORCH_CHECK(amx_permitted(), "this process may not use AMX (arch_prctl refused)");
+    varlen_into<bf16>(q, k, v, lengths, starts, static_cast<float>(scale), last_only, out);
+  } else {
+    varlen_into<float>(q, k, v, lengths, starts, static_cast<float>(scale), last_only, out);
+  }
+  return out;
+}
+
+template <typename T>
+void prefix_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale, at::Tensor& out,
+                 at::Tensor& lse) {
+  const int64_t beams = q.size(0), heads = q.size(1), kv_heads = k.size(0), length = k.size(1), dim = q.size(2);
+  Packed<T> a{elements<T>(q), nullptr, nullptr, reinterpret_cast<T*>(out.data_ptr()), q.stride(0), 0, 0, heads,
+              kv_heads, dim, wide_for<T>(dim), scale};
+  float* lse_at = lse.data_ptr<float>();
+  const int64_t group = heads / kv_heads, padded = (length + 31) / 32 * 32;
   auto run = [&](int64_t begin, int64_t end, int64_t step) {
-    Scratch s;
-    Tiles tiles;
-    for (int64_t item = begin; item < end; item += step) {
-      int64_t seq = item / kv_heads, head = item % kv_heads, n = lengths[seq];
-      attend_one(a, s, starts[seq], n, head, last_only ? n - 1 : 0, last_only ? seq : starts[seq]);
+    Worker<T> w;
+    w.s.fit(padded, a.wide);
+    for (int64_t kv_head = begin; kv_head < end; kv_head += step) {
+      pack(a, w.s, {elements<T>(k) + kv_head * k.stride(0), elements<T>(v) + kv_head * v.stride(0), dim, dim}, length,
+           padded);
+      attend_rows(a, w.s, beams * group, [&](int64_t row, Block<T>& b, int i) {
+        int64_t beam = row / group, head = kv_head * group + row % group;
+        copy_query(a, w.s, i, a.q + beam * a.q_stride + head * dim);
+        b.out[i] = a.out + (beam * heads + head) * dim;
+        b.lse[i] = lse_at + beam * heads + head;
+        b.seen[i] = length;
+      });
     }
   };
-  xllm_parallel::interleaved_items(items, run);
-  return out;
+  xllm_parallel::interleaved_items(kv_heads, run);
 }
 
 // A beam round's prompt stage: every beam of a request (q [beams, heads, dim], any beam stride)
@@ -508,10 +654,12 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     double scale) {
   const int64_t dim = q.size(-1);
-  check_tokens(q, "q", dim);
+  check_dtype(q);
+  check_tokens(q, "q", dim, q);
   TORCH_CHECK(dim % 16 == 0 && dim <= 512, "head width must be a multiple of 16, at most 512");
   for (const at::Tensor* x : {&k, &v}) {
-    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kBFloat16, "k and v must be bfloat16 CPU tensors");
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == q.scalar_type(),
+                "k and v must be CPU tensors of q's dtype");
     TORCH_CHECK(x->dim() == 3 && x->size(2) == dim && x->stride(2) == 1 && x->stride(1) == dim &&
                     x->sizes() == k.sizes(),
                 "k and v must be [kv_heads, tokens, dim] alike with contiguous tokens");
@@ -521,29 +669,12 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
   TORCH_CHECK(length > 0, "the prompt needs a token");
   auto out = at::empty({beams, heads, dim}, q.options());
   auto lse = at::empty({beams, heads}, q.options().dtype(at::kFloat));
-  Packed a{reinterpret_cast<const bf16*>(q.data_ptr()), nullptr, nullptr, reinterpret_cast<bf16*>(out.data_ptr()),
-           q.stride(0), 0, 0, heads, kv_heads, dim, (dim + 31) / 32 * 32, static_cast<float>(scale)};
-  const bf16* keys = reinterpret_cast<const bf16*>(k.data_ptr());
-  const bf16* values = reinterpret_cast<const bf16*>(v.data_ptr());
-  float* lse_at = lse.data_ptr<float>();
-  const int64_t group = heads / kv_heads, padded = (length + 31) / 32 * 32;
-  TORCH_CHECK(amx_permitted(), "this process may not use AMX (arch_prctl refused)");
-  auto run = [&](int64_t begin, int64_t end, int64_t step) {
-    Scratch s;
-    Tiles tiles;
-    s.fit(padded, a.wide);
-    for (int64_t kv_head = begin; kv_head < end; kv_head += step) {
-      pack(a, s, {keys + kv_head * k.stride(0), values + kv_head * v.stride(0), dim, dim}, length, padded);
-      attend_rows(a, s, beams * group, [&](int64_t row, Block& b, int i) {
-        int64_t beam = row / group, head = kv_head * group + row % group;
-        copy_query(a, s, i, a.q + beam * a.q_stride + head * dim);
-        b.out[i] = a.out + (beam * heads + head) * dim;
-        b.lse[i] = lse_at + beam * heads + head;
-        b.seen[i] = length;
-      });
-    }
-  };
-  xllm_parallel::interleaved_items(kv_heads, run);
+  if (q.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(amx_permitted(), "this process may not use AMX (arch_prctl refused)");
+    prefix_into<bf16>(q, k, v, static_cast<float>(scale), out, lse);
+  } else {
+    prefix_into<float>(q, k, v, static_cast<float>(scale), out, lse);
+  }
   return {out, lse};
 }
 
