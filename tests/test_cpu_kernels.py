@@ -317,6 +317,38 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monkeypatch, dtype):
+    """A long prefill's MLP runs over chunks of rows (layers.MLP_CHUNK_BYTES), each row as it would alone."""
+    from xllm_async.model import layers
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
+    if not runner.model.layers[0].mlp.fused:
+        pytest.skip("the eager MLP runs here (no fused kernels)")
+    prompts = random_prompts(51, [200, 250, 233, 200])  # (the tiny model takes 256 positions)
+    rows = []
+    fused = layers.GatedMlp._fused
+    monkeypatch.setattr(layers.GatedMlp, "_fused", lambda self, x: rows.append(x.shape[0]) or fused(self, x))
+
+    def prefill(chunk_bytes: int) -> torch.Tensor:
+        monkeypatch.setattr(layers, "MLP_CHUNK_BYTES", chunk_bytes)
+        rows.clear()
+        with torch.inference_mode():
+            return runner.prefill(prompts)[0]
+
+    chunked = prefill(1)  # chunks of the fewest rows, 256
+    tail = 883 % 256 if dtype == "float32" else 896 % 256  # (bfloat16 rows reach oneDNN padded: 896)
+    assert rows[:4] == [256, 256, 256, tail]  # (the first layer's; the last layer's MLP sees last tokens only)
+    whole = prefill(1 << 40)  # one chunk: 883 rows are within the most a chunk takes (2,048)
+    assert rows[0] > 256
+    if dtype == "float32":  # (one linear kernel for every row count)
+        assert torch.equal(chunked, whole)
+    else:  # (a last chunk of few rows may take our linear where the whole took oneDNN's)
+        torch.testing.assert_close(chunked, whole, atol=0.05, rtol=0.02)
+        assert (chunked.argmax(-1) == whole.argmax(-1)).all()
+
+
 def test_without_a_compiler_the_model_runs_its_eager_code_and_says_so(tiny_model_dir, tmp_path, monkeypatch, caplog):
     from xllm_async.runtime.model_runner import ModelRunner
 
