@@ -256,7 +256,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 # On CPU a prefill's MLP runs over chunks of rows whose gate/up output fits in MLP_CHUNK_BYTES,
 # so that it is still in the core's cache when SiLU x up reads it and the down projection reads
 # that: 16 prompts of 320 tokens made a gate/up output of 16 MB (bfloat16, the 4-layer model) to
-# 47 MB (SmolLM2), written to memory and read back twice, and SiLU x up alone ran 2.3x slower per
+# 31 MB (SmolLM2), written to memory and read back twice, and SiLU x up alone ran 2.3x slower per
 # value at 5,120 rows than at 1,024 (AMD EPYC, 2 cores). In 2 MB chunks a 16 x 320-token forward
 # (perf/RESULTS.md, eighteenth session): bfloat16 4-layer 1.09-1.14x faster, SmolLM2 1.10-1.18x,
 # float32 4-layer 1.25-1.32x; 1 MB and 4 MB gained less. Served, 320 in / 1 out at c32: bfloat16
