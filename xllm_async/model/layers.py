@@ -266,6 +266,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 # Chunks are whole multiples of 256 rows, at most 2,048, so the ones that reach oneDNN have row
 # counts it already has kernels for (padded_rows).
 MLP_CHUNK_BYTES = 2 << 20
+_CHUNK_ROW_STEP = 256  # chunks are whole multiples of it, and never fewer rows
 
 
 class GatedMlp(nn.Module):
@@ -280,7 +281,9 @@ class GatedMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:  # (on CPU: our kernels)
-            rows, chunk = x.shape[0], self.chunk_rows(x.element_size())
+            rows = x.shape[0]
+            # (a decode step's few rows never chunk: no arithmetic for them, per layer per token)
+            chunk = self.chunk_rows(x.element_size()) if rows > _CHUNK_ROW_STEP else rows
             if rows <= chunk:
                 return self._fused(x)
             out = x.new_empty(rows, self.down.out_features)
@@ -292,8 +295,8 @@ class GatedMlp(nn.Module):
 
     def chunk_rows(self, element_size: int) -> int:
         """Rows a chunk of a prefill's MLP takes (MLP_CHUNK_BYTES)."""
-        rows = MLP_CHUNK_BYTES // (self.gate_up.out_features * element_size) // 256 * 256
-        return min(max(rows, 256), 2048)
+        rows = MLP_CHUNK_BYTES // (self.gate_up.out_features * element_size) // _CHUNK_ROW_STEP * _CHUNK_ROW_STEP
+        return min(max(rows, _CHUNK_ROW_STEP), 2048)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.ops.xllm.silu_mul(self.gate_up(x)))
