@@ -159,3 +159,74 @@ def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
     finally:
         for slot in pinned:
             slot.stop()
+
+
+def test_a_forward_on_slot_0_takes_every_core_at_the_next_layer_once_alone(tiny_model_dir, monkeypatch):
+    """A prefill that began beside another slot's batch runs on its share of the cores; once the
+    other batch ends, the forward widens at its next layer (StreamBinding.rebalance, called through
+    llama's layer hook), not at its next forward. Slot 1, which never widens, has no hook."""
+    from xllm_async.model import llama
+    from xllm_async.runtime.executor import start_slots
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
+    runner.set_kv_cache(16 << 20, 2)
+    other_busy = threading.Event()
+    other_busy.set()
+    seen = []
+    layer_forward = llama.DecoderLayer.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        out = layer_forward(self, *args, **kwargs)
+        other_busy.clear()  # the other slot's batch ends during the first layer
+        return out
+
+    monkeypatch.setattr(llama.DecoderLayer, "forward", recording)
+    slots = start_slots(torch.device("cpu"), 2)
+    try:
+        slots[0].binding.alone = lambda: not other_busy.is_set()
+        hooks, done = {}, threading.Event()
+
+        def job(slot):
+            hooks[slot.index] = getattr(llama._layer_hook, "fn", None)
+            if slot.index == 0:
+                slot.binding.share_cores(False)  # began beside the other slot's batch
+                runner.prefill([[1, 2, 3, 4]])
+                seen.append(torch.get_num_threads())  # after the forward: still wide
+            done.set()
+
+        for slot in slots:
+            done.clear()
+            slot.submit(lambda slot=slot: job(slot))
+            assert done.wait(120)
+        assert hooks == {0: slots[0].binding.rebalance, 1: None}
+        layers = runner.model.shape.layers
+        assert seen == [2] + [4] * layers
+    finally:
+        for slot in slots:
+            slot.stop()
+
+
+def test_rebalance_follows_what_the_scheduler_says_and_nothing_without_it():
+    seen = []
+
+    def run():
+        binding = StreamBinding(torch.device("cpu"), 1, 3)
+        binding.enter()
+        binding.rebalance()  # no scheduler has said anything: its share
+        seen.append(torch.get_num_threads())
+        alone = [True]
+        binding.alone = lambda: alone[0]
+        binding.rebalance()
+        seen.append(torch.get_num_threads())
+        alone[0] = False
+        binding.rebalance()
+        seen.append(torch.get_num_threads())
+        binding.exit()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [1, 3, 1]

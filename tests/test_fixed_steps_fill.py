@@ -445,6 +445,18 @@ async def test_on_an_idle_server_enough_short_requests_split_between_the_slots(w
     assert batcher._wide is None and not batcher.waiting
 
 
+async def test_a_split_batch_is_told_it_is_alone_once_its_partner_ends(wide_slot):
+    """What a slot's thread reads between a forward's layers (StreamBinding.rebalance): split
+    batches run on their own cores while both run, and the one left takes every core."""
+    batcher, slots, clock = wide_slot
+    assert all(slot.binding.alone == batcher._alone for slot in slots)
+    batcher.add([request() for _ in range(4)])
+    assert [len(b) for b in await started(batcher, slots)] == [2, 2]
+    assert not slots[0].binding.alone()
+    batcher._release(slots[1], 2, 0.010)
+    assert slots[0].binding.alone()
+
+
 async def test_fewer_than_split_at_run_together_on_every_core(wide_slot):
     batcher, slots, clock = wide_slot
     batcher.add([request() for _ in range(SPLIT_AT - 1)])

@@ -92,6 +92,8 @@ class FixedStepsBatcher:
         self._idle: list = list(reversed(slots))
         self._slots = {slot.index: slot for slot in slots}
         self._num_slots = len(slots)
+        for slot in slots:
+            slot.binding.alone = self._alone  # read on its thread between layers (StreamBinding.rebalance)
         self._filling = False  # _run holds a slot while its batch fills
         # The slot running a short batch on every core (None: none is): requests that arrive meanwhile
         # wait for it and it takes them itself when it ends (_follow_on), instead of a batch beside it.
@@ -218,6 +220,10 @@ class FixedStepsBatcher:
             finally:
                 self._filling = False
             self._start(slot)
+
+    def _alone(self) -> bool:
+        """On a slot's thread: whether its batch is the only one running (it may take every core)."""
+        return self.busy_slots == 1
 
     def _take_idle(self):
         """An idle slot: slot 0 if it is idle (the one that may take every core while alone:
@@ -443,7 +449,9 @@ class FixedStepsBatcher:
     def _run_batch(self, slot, requests: list[QueuedRequest], split: bool = False) -> float:
         """On the slot's thread: prefill, then decode rounds until every sequence is done;
         returns the prefill's seconds. Each step takes every core while no other slot is busy,
-        except a split batch's prefill: its partner may not have started yet."""
+        except a split batch's prefill at its start: its partner may not have started yet. Within
+        a forward, the slot takes or gives back cores between layers (binding.rebalance): a prefill
+        that began beside another batch widens once that one ends."""
         batch = None
         started = time.perf_counter()
         prefill_seconds = 0.0
@@ -459,7 +467,7 @@ class FixedStepsBatcher:
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             while batch:
-                binding.share_cores(self.busy_slots == 1)
+                binding.rebalance()
                 joining = self._joining.get(slot.index)
                 if joining:
                     new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())

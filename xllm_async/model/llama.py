@@ -10,6 +10,9 @@ is a separate call so that beam search can compute only the tokens it may take.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +20,15 @@ from torch import nn
 from .layers import GatedMlp, Linear, PackedWeight, RMSNorm, RotaryEmbedding, apply_rotary, packed_linear, rows_padded
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+
+# What a forward calls on its own thread after every decoder layer, where that thread set one
+# (set_layer_hook): a CPU execution slot re-balances its cores there (StreamBinding.rebalance).
+_layer_hook = threading.local()
+
+
+def set_layer_hook(hook: Callable[[], None] | None) -> None:
+    """Call hook after every decoder layer of every forward run on this thread (None: nothing)."""
+    _layer_hook.fn = hook
 
 
 class ModelShape:
@@ -143,12 +155,17 @@ class CausalLM(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype, self.fused)
         last = self.layers[-1]
+        hook = getattr(_layer_hook, "fn", None)
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, ctx)
+            if hook is not None:
+                hook()
         keep = getattr(ctx, "last", None)
         if keep is not None:
             ctx.last_only = True
         x = last(x, cos, sin, ctx, keep)
+        if hook is not None:
+            hook()  # before the LM head (the runner's next call) too
         return self.norm(x if keep is not None else x[:rows])
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
