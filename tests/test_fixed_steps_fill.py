@@ -447,14 +447,19 @@ async def test_on_an_idle_server_enough_short_requests_split_between_the_slots(w
 
 async def test_a_split_batch_is_told_it_is_alone_once_its_partner_ends(wide_slot):
     """What a slot's thread reads between a forward's layers (StreamBinding.rebalance): split
-    batches run on their own cores while both run, and the one left takes every core."""
+    batches run on their own cores while both run, and the one left takes every core, unless the
+    ended batch's clients are coming right back (closed loop) to start one on the freed slot."""
     batcher, slots, clock = wide_slot
     assert all(slot.binding.alone == batcher._alone for slot in slots)
-    batcher.add([request() for _ in range(4)])
-    assert [len(b) for b in await started(batcher, slots)] == [2, 2]
-    assert not slots[0].binding.alone()
-    batcher._release(slots[1], 2, 0.010)
-    assert slots[0].binding.alone()
+    for return_delay, alone_after in ((3600.0, True), (0.0, False)):  # open loop, closed loop
+        batcher._return_delay = return_delay
+        batcher.add([request() for _ in range(4)])
+        assert [len(b) for b in await started(batcher, slots)][-2:] == [2, 2]
+        assert not slots[0].binding.alone()
+        batcher._release(slots[1], 2, 0.010)
+        assert slots[0].binding.alone() is alone_after
+        batcher._release(slots[0], 2, 0.010)
+        batcher._returning, batcher._owed = 0, type(batcher._owed)()
 
 
 async def test_fewer_than_split_at_run_together_on_every_core(wide_slot):

@@ -222,8 +222,16 @@ class FixedStepsBatcher:
             self._start(slot)
 
     def _alone(self) -> bool:
-        """On a slot's thread: whether its batch is the only one running (it may take every core)."""
-        return self.busy_slots == 1
+        """Read on a slot's thread between a forward's layers (StreamBinding.rebalance): whether its
+        batch may take every core. Not while another batch runs; nor, once that one has ended, while
+        its clients are on their way back (a closed loop): they would start a batch on the freed slot
+        within the layer, three threads on two cores."""
+        return self.busy_slots == 1 and not self._clients_on_their_way()
+
+    def _clients_on_their_way(self) -> bool:
+        """Whether answered clients are about to be back: some are not yet, and finished batches'
+        clients have been coming back within RETURN_WITHIN of a prefill (a closed loop)."""
+        return bool(self._returning) and self._return_delay <= self._last_batch[1] * RETURN_WITHIN
 
     def _take_idle(self):
         """An idle slot: slot 0 if it is idle (the one that may take every core while alone:
@@ -273,13 +281,11 @@ class FixedStepsBatcher:
 
     def _worth_filling(self, others_busy: int) -> bool:
         """Whether a batch about to start should wait for company (see _fill)."""
-        if not self._returning:
+        if not self._clients_on_their_way():
             # Every answered client is back already (another slot may have taken them): waiting
-            # could only end at the timer or a freed slot, with the cores idle meanwhile.
-            return False
-        if self._return_delay > self._last_batch[1] * RETURN_WITHIN:
-            # Answered clients have not been coming back right away (requests arrive on their
-            # own): a wait would hold these requests for arrivals no answer brings sooner.
+            # could only end at the timer or a freed slot, with the cores idle meanwhile. Or they
+            # have not been coming back right away (requests arrive on their own): a wait would
+            # hold these requests for arrivals no answer brings sooner.
             return False
         if others_busy > 0:
             expected = self._last_batch[0]
@@ -467,7 +473,7 @@ class FixedStepsBatcher:
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             while batch:
-                binding.rebalance()
+                binding.share_cores(self.busy_slots == 1)
                 joining = self._joining.get(slot.index)
                 if joining:
                     new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
