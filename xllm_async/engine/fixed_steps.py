@@ -457,7 +457,7 @@ class FixedStepsBatcher:
         returns the prefill's seconds. Each step takes every core while no other slot is busy,
         except a split batch's prefill at its start: its partner may not have started yet. Within
         a forward, the slot takes or gives back cores between layers (binding.rebalance): a prefill
-        that began beside another batch widens once that one ends."""
+        that began beside another batch widens once that one ends (_alone)."""
         batch = None
         started = time.perf_counter()
         prefill_seconds = 0.0

@@ -85,8 +85,8 @@ class StreamBinding:
         self.cpu_threads = cpu_threads  # intra-op threads of this slot, on CPU
         self.all_threads = max(all_threads, cpu_threads)  # what it may use while every other slot is idle
         self.stream = None
-        # Whether no other slot is busy, as the scheduler sees it (read by rebalance; None: never
-        # asked, the scheduler calls share_cores itself).
+        # Whether this slot's batch may take every core now, as the scheduler sees it (read by
+        # rebalance; None: never asked, the scheduler calls share_cores itself).
         self.alone: Callable[[], bool] | None = None
         self._threads = cpu_threads
         self._stack = contextlib.ExitStack()
