@@ -469,6 +469,17 @@ async def test_fewer_than_split_at_run_together_on_every_core(wide_slot):
     assert batcher._wide == 0
 
 
+async def test_a_wide_batch_keeps_every_core_while_clients_are_on_their_way(wide_slot):
+    """Arrivals wait for a wide batch, so clients coming back start nothing beside it: it does
+    not give a core back between layers (StreamBinding.rebalance) for them."""
+    batcher, slots, clock = wide_slot
+    batcher.add([request()])
+    await started(batcher, slots)
+    assert batcher._wide == 0
+    finished_elsewhere(batcher, 4, 0.010)  # closed loop: four clients on their way
+    assert batcher._clients_on_their_way() and slots[0].binding.alone()
+
+
 async def test_long_generations_and_slots_that_cannot_widen_are_not_split(two_slots, wide_slot):
     for batcher, slots, max_tokens in ((two_slots[0], two_slots[1], 1), (wide_slot[0], wide_slot[1], 500)):
         batcher.add([request(max_tokens=max_tokens) for _ in range(4)])

@@ -225,8 +225,9 @@ class FixedStepsBatcher:
         """Read on a slot's thread between a forward's layers (StreamBinding.rebalance): whether its
         batch may take every core. Not while another batch runs; nor, once that one has ended, while
         its clients are on their way back (a closed loop): they would start a batch on the freed slot
-        within the layer, three threads on two cores."""
-        return self.busy_slots == 1 and not self._clients_on_their_way()
+        within the layer, three threads on two cores. A wide batch (_wide) keeps every core: what
+        arrives waits for it, nothing starts beside it."""
+        return self.busy_slots == 1 and (self._wide is not None or not self._clients_on_their_way())
 
     def _clients_on_their_way(self) -> bool:
         """Whether answered clients are about to be back: some are not yet, and finished batches'
