@@ -199,6 +199,23 @@ def test_beam_top_k_and_log_sum_exp_match_torch(rows, columns, k):
     assert torch.allclose(lse, torch.logsumexp(logits.float(), dim=-1), atol=1e-4)
 
 
+@pytest.mark.skipif(cpu_kernels.topk_logsumexp() is None, reason="no AVX512-BF16 here: beams keep torch.topk")
+@pytest.mark.parametrize("columns", [5000, 300])
+def test_beam_top_k_of_equal_values_ranks_by_column(columns):
+    """Rows where every value ties (every one reaches the bound: the kernel's sorting path), and
+    zeros of both signs, equal as floats: the k best are the lowest columns, in order."""
+    logits = torch.full((3, columns), 1.5)
+    logits[1] = 0.0
+    logits[1, ::2] = -0.0
+    logits[2, :] = -2.0
+    logits[2, columns // 2:] = 0.25  # the second half ties above the first
+    values, where, lse = cpu_kernels.topk_logsumexp()(logits.bfloat16(), 128)
+    assert torch.equal(where[0], torch.arange(128)) and torch.equal(where[1], torch.arange(128))
+    assert torch.equal(where[2], torch.arange(columns // 2, columns // 2 + 128))
+    assert torch.equal(values[2], torch.full((128,), 0.25))
+    assert torch.allclose(lse, torch.logsumexp(logits, dim=-1), atol=1e-4)
+
+
 @pytest.mark.skipif(cpu_kernels.decode_attention() is None, reason="no AVX512-BF16 here: decode keeps torch's kernel")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 4, 32), (16, 8, 128)])
