@@ -480,6 +480,48 @@ async def test_a_wide_batch_keeps_every_core_while_clients_are_on_their_way(wide
     assert batcher._clients_on_their_way() and slots[0].binding.alone()
 
 
+class _StepsBatch:
+    """Stands in for GenerationBatch in _run_batch: `steps` decode steps, each one noting the
+    thread count its slot was told to use at the step's start."""
+
+    def __init__(self, binding, steps: int) -> None:
+        self.binding, self.left, self.told = binding, steps, []
+
+    def __len__(self) -> int:
+        return self.left
+
+    def prefill(self) -> list:
+        self.told.append(self.binding.told[-1])
+        return []
+
+    def decode(self) -> list:
+        self.told.append(self.binding.told[-1])
+        self.left -= 1
+        return []
+
+
+async def test_a_step_starts_on_the_cores_the_layers_would_give_it(wide_slot, monkeypatch):
+    """A step's start asks the scheduler what its layers do (_alone): a lone long generation
+    runs its steps on its share while finished batches' clients are on their way (a closed loop:
+    they start beside it), on every core once they are back, never wide for one layer only."""
+    from xllm_async.engine import fixed_steps
+
+    batcher, slots, clock = wide_slot
+    binding = SimpleNamespace(told=[], can_widen=True)
+    binding.share_cores = lambda alone: binding.told.append(alone)
+    slot = SimpleNamespace(index=0, binding=binding, busy_seconds=0.0, batches_run=0)
+    made = []
+    monkeypatch.setattr(fixed_steps, "GenerationBatch",
+                        lambda runner, requests, metrics: made.append(_StepsBatch(binding, 2)) or made[-1])
+    batcher._idle.remove(slots[0])
+    batcher._mark_running(slot, [request(max_tokens=500)], alone=True)
+    finished_elsewhere(batcher, 4, 0.010)  # closed loop: four clients on their way
+    batcher._run_batch(slot, [request(max_tokens=500)])
+    batcher._returning = 0  # they are back
+    batcher._run_batch(slot, [request(max_tokens=500)])
+    assert [b.told for b in made] == [[False] * 3, [True] * 3]
+
+
 async def test_long_generations_and_slots_that_cannot_widen_are_not_split(two_slots, wide_slot):
     for batcher, slots, max_tokens in ((two_slots[0], two_slots[1], 1), (wide_slot[0], wide_slot[1], 500)):
         batcher.add([request(max_tokens=max_tokens) for _ in range(4)])

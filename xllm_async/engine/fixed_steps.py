@@ -455,10 +455,12 @@ class FixedStepsBatcher:
 
     def _run_batch(self, slot, requests: list[QueuedRequest], split: bool = False) -> float:
         """On the slot's thread: prefill, then decode rounds until every sequence is done;
-        returns the prefill's seconds. Each step takes every core while no other slot is busy,
-        except a split batch's prefill at its start: its partner may not have started yet. Within
-        a forward, the slot takes or gives back cores between layers (binding.rebalance): a prefill
-        that began beside another batch widens once that one ends (_alone)."""
+        returns the prefill's seconds. Each step takes every core while its batch runs alone
+        (_alone), except a split batch's prefill at its start: its partner may not have started
+        yet. Within a forward, the slot takes or gives back cores between layers by the same rule
+        (binding.rebalance): a prefill that began beside another batch widens once that one ends.
+        One rule for both, so that a step never starts on every core only to give one back at its
+        first layer."""
         batch = None
         started = time.perf_counter()
         prefill_seconds = 0.0
@@ -470,11 +472,11 @@ class FixedStepsBatcher:
                 if slot.index in self._joining:
                     self._generating[slot.index] = batch
             binding = slot.binding
-            binding.share_cores(not split and self.busy_slots == 1)
+            binding.share_cores(not split and self._alone())
             self._deliver(batch.prefill())
             prefill_seconds = time.perf_counter() - started
             while batch:
-                binding.share_cores(self.busy_slots == 1)
+                binding.share_cores(self._alone())
                 joining = self._joining.get(slot.index)
                 if joining:
                     new = self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
