@@ -115,6 +115,16 @@ def test_full_queue_gets_503_and_admitted_requests_finish(strict):
             assert body["usage"]["completion_tokens"] == 2
 
 
+def test_a_request_larger_than_the_whole_queue_gets_400_not_a_retry(strict):
+    # 33 sequences never fit a 32-deep queue: a 503 would have the client retry forever.
+    for body, param in (({"prompt": [[5, 6]] * 33, "max_tokens": 1}, "prompt"),
+                        ({"prompt": [5, 6], "max_tokens": 1, "n": 33}, "n")):
+        status, answer, headers = call(strict, body)
+        assert status == 400 and "retry-after" not in headers, answer
+        assert answer["error"]["param"] == param and "XLLM_MAX_QUEUED_REQUESTS" in answer["error"]["message"]
+    assert call(strict, {"prompt": [[5, 6]] * 32, "max_tokens": 1})[0] == 200
+
+
 def test_request_waiting_past_its_deadline_gets_408_and_is_never_computed(strict):
     prompt_before = metric(strict, "xllm:prompt_tokens", "xllm:prompt_tokens_total")
     with slot_held(strict) as holder:  # the slot stays busy until the 408 is in

@@ -54,6 +54,9 @@ def test_seeded_sampling_is_reproducible_and_n_choices_differ(any_server):
     assert [c["index"] for c in first["choices"]] == [0, 1, 2]
     assert len(set(texts)) > 1
     assert first["usage"]["completion_tokens"] == 24
+    # The prompt is counted once, as OpenAI and vLLM count it, however many choices share it.
+    single = post(any_server.port, "/v1/completions", {**request, "n": 1})[1]
+    assert first["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"] > 0
 
 
 def test_top_k_one_is_greedy(server, reference):

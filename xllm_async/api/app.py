@@ -12,7 +12,7 @@ import orjson
 
 from .. import __version__
 from ..engine.beam import BeamRequest
-from ..engine.engine import Engine, EngineFull
+from ..engine.engine import Engine, EngineFull, TooManySequences
 from ..engine.output import OutputStream
 from ..engine.request import EngineRequest
 from ..errors import ApiError
@@ -159,13 +159,16 @@ class OpenAIApp:
                         for i, prompt in enumerate(spec.prompts)]
         else:
             requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
-        prompt_tokens = sum(len(p) for p in spec.prompts) * spec.n
+        # As OpenAI and vLLM count it: each prompt once, however many choices share it.
+        prompt_tokens = sum(len(p) for p in spec.prompts)
         shape = shape_class(self.model.name, self.model.tokenizer, prefix, prompt_tokens,
                             spec.top_logprobs is not None)
         record: AccessRecord = responder.record
         record.prompt_tokens = prompt_tokens
         try:
             self.engine.submit(requests)
+        except TooManySequences as exc:
+            raise ApiError(400, f"Request too large: {exc}", param="n" if spec.n > 1 else "prompt") from None
         except EngineFull as exc:
             raise ApiError(503, f"Server overloaded: {exc}; retry later", headers=b"retry-after: 1\r\n") from None
         choices = [Choice() for _ in range(num)]

@@ -19,6 +19,10 @@ class EngineFull(Exception):
     """The admission queue is full; the caller should retry later."""
 
 
+class TooManySequences(ValueError):
+    """One request holds more sequences than the queue ever admits: retrying cannot help."""
+
+
 class Engine:
     def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
                  max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0,
@@ -51,6 +55,9 @@ class Engine:
 
     def submit(self, requests: list[QueuedRequest]) -> None:
         """Queue the sequences of one API request; all of them or none."""
+        if len(requests) > self.max_queued_requests:
+            raise TooManySequences(f"the request holds {len(requests)} sequences and at most "
+                                   f"{self.max_queued_requests} may wait at once (XLLM_MAX_QUEUED_REQUESTS)")
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
         self.unfinished.update(requests)
