@@ -89,6 +89,7 @@ def test_rounds_default_to_the_server_setting(server):
     ({"beam_width": 100000}, "beam_width"),
     ({"beam_width": 4, "num_return_sequences": 5}, "num_return_sequences"),
     ({"beam_width": 4, "stream": True}, "stream"),
+    ({"beam_width": 1, "stream": True}, "stream"),  # one beam still keeps to its rounds and table
     ({"beam_width": 4, "n": 2}, "n"),
     ({"beam_width": "wide"}, "beam_width"),
 ])
@@ -101,14 +102,6 @@ def test_continuous_scheduler_refuses_beam_search_naming_fixed_steps(servers):
     status, answer, _ = post(servers("continuous-N1").port, "/v1/completions",
                              {"prompt": [1, 2, 3], "beam_width": 4})
     assert status == 400 and "fixed_steps" in answer["error"]["message"]
-
-
-def test_one_beam_streams_like_greedy(server):
-    from .client import stream_events
-
-    events = stream_events(server.port, "/v1/completions", {"prompt": [1, 2, 3], "beam_width": 1, "max_tokens": 3,
-                                                            "temperature": 0, "ignore_eos": True})
-    assert events[-1] == "[DONE]" and len(events) >= 2
 
 
 def semantic_ids(count: int, codebooks: int = 3, codes: int = 16, seed: int = 0) -> list[tuple[int, ...]]:

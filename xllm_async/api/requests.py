@@ -165,10 +165,10 @@ def _beam_width(fields: Fields, model: ModelInfo) -> int | None:
     if width is None:
         return None
     if fields.bool("stream", False):
-        if width > 1:
-            raise bad("stream", "A beam search returns its sequences at the end: `stream` must be false "
-                                "when `beam_width` > 1")
-        return None  # one beam is greedy decoding, which streams
+        # Even one beam keeps to the item table and its rounds, and answers at the end: greedy
+        # streaming instead would quietly ignore both.
+        raise bad("stream", "A beam search returns its sequences at the end: `stream` must be false "
+                            "with `beam_width`")
     if not model.beam.supported:
         raise bad("beam_width", "Beam search runs on the fixed_steps scheduler; this server runs continuous "
                                 "(set XLLM_SCHEDULER=fixed_steps)")
