@@ -140,3 +140,57 @@ def test_server_keeps_serving_after_errors(server):
         post(server.port, "/v1/completions", body)
     status, answer, _ = post(server.port, "/v1/completions", GOOD)
     assert status == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "word " * 100_000, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": ["word " * 100_000, "short"], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 100_000}]}),
+])
+def test_long_text_prompts_get_the_context_error(server, path, body):
+    # Tokenized off the event loop (test_long_text_is_tokenized_off_the_event_loop), then checked as any other.
+    status, answer, _ = post(server.port, path, body)
+    assert status == 400 and "maximum context length" in answer["error"]["message"], answer
+    assert post(server.port, "/v1/completions", GOOD)[0] == 200
+
+
+def test_long_text_is_tokenized_off_the_event_loop():
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    import orjson
+
+    from xllm_async.api.app import OpenAIApp
+    from xllm_async.api.requests import LONG_TEXT, ModelInfo, parse_completion
+    from xllm_async.metrics import Metrics
+
+    started, release = threading.Event(), threading.Event()
+
+    class Backend:  # a tokenizer that works until the test lets it finish
+        def encode(self, text, add_special_tokens):
+            return SimpleNamespace(ids=[1])
+
+        def encode_batch(self, texts, add_special_tokens):
+            started.set()
+            assert release.wait(60), "the loop never ran while the tokenizer worked"
+            return [SimpleNamespace(ids=[1, 2, 3])]
+
+    model = ModelInfo("m", SimpleNamespace(backend_tokenizer=Backend()), 1000, 100, 4)
+    app = OpenAIApp(SimpleNamespace(metrics=Metrics()), model, {})
+
+    async def parse(text: str):
+        request = SimpleNamespace(body=orjson.dumps({"prompt": text, "max_tokens": 1}))
+        return await app._parse(request, parse_completion, chat=False)
+
+    async def main():
+        assert (await parse("short")).prompts == [[1]]  # short text: encoded in place
+        task = asyncio.ensure_future(parse("x" * LONG_TEXT))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # the loop runs on while the tokenizer works
+        assert not task.done()
+        release.set()
+        assert (await task).prompts == [[1, 2, 3]]
+
+    asyncio.run(main())

@@ -7,6 +7,7 @@ import hmac
 import logging
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
@@ -20,7 +21,7 @@ from ..http.protocol import HttpRequest
 from ..http.response import TEXT, Responder
 from .access_log import AccessLog, AccessRecord
 from .items import ItemTable
-from .requests import GenerationSpec, ModelInfo, parse_chat, parse_completion, parse_json
+from .requests import GenerationSpec, ModelInfo, holds_long_text, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
 
 log = logging.getLogger("xllm_async.api")
@@ -51,6 +52,7 @@ class OpenAIApp:
         self.server_info = server_info
         self.access_log = AccessLog(access_log)
         self.started = time.time()
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="xllm-tokenize")
         self.routes = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -139,12 +141,20 @@ class OpenAIApp:
         responder.send(200, orjson.dumps({"version": __version__}))
 
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
-        spec = parse_completion(parse_json(request.body), self.model)
+        spec = await self._parse(request, parse_completion, chat=False)
         await self._generate(request, spec, CompletionShape, "cmpl", responder)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
-        spec = parse_chat(parse_json(request.body), self.model)
+        spec = await self._parse(request, parse_chat, chat=True)
         await self._generate(request, spec, ChatShape, "chatcmpl", responder)
+
+    async def _parse(self, request: HttpRequest, parser, chat: bool) -> GenerationSpec:
+        body = parse_json(request.body)
+        if not holds_long_text(body, len(request.body), chat):
+            return parser(body, self.model)  # microseconds: a thread hop would cost more
+        # Long text is tokenized (and a chat template rendered) on a thread of its own while the
+        # loop serves everyone else; one at a time, so that a flood of them cannot take every core.
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, parser, body, self.model)
 
     # --- generation ---
 
