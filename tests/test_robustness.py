@@ -184,6 +184,23 @@ def test_disconnect_while_waiting_is_never_computed(strict):
     assert metric(strict, "xllm:prompt_tokens", "xllm:prompt_tokens_total") == prompt_before + 10
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_closes_before_its_answer_has_its_generation_aborted(strict, stream):
+    # A plain close sends a FIN, as a half-close does (and as an SDK's timeout does): the server
+    # probes with 100 Continue, gets the reset, and drops the work (half-closed clients that
+    # still read: test_http_conformance.py::test_a_half_closed_client_gets_the_whole_answer).
+    prompt_before = metric(strict, "xllm:prompt_tokens", "xllm:prompt_tokens_total")
+    aborts_before = aborts(strict)
+    body = {"prompt": [9] * 21, "max_tokens": 1}
+    with slot_held(strict) as holder:
+        sock = open_stream(strict.port, body) if stream else send_request(strict.port, body)
+        wait_until(lambda: metric(strict, "xllm:num_requests_waiting") == 1, what="the request waiting")
+        sock.close()
+        wait_until(lambda: aborts(strict) == aborts_before + 1, what="the abort")
+    assert holder.result()[0] == 200
+    assert metric(strict, "xllm:prompt_tokens", "xllm:prompt_tokens_total") == prompt_before + 10
+
+
 def test_stream_whose_client_stops_reading_is_ended(strict):
     before = aborts(strict)
     # 32 x 190 events with 20 logprobs each are over 10 MB: far more than the socket buffers

@@ -143,13 +143,25 @@ class HttpProtocol(asyncio.Protocol):
         self._wake_writer()
 
     def eof_received(self) -> bool:
-        """The client shut its sending side (shutdown(SHUT_WR), nc -N): it still reads, so what it
-        asked for is answered in full; then the connection closes. Only a reset or a failed
-        write (connection_lost) means the client is gone."""
+        """The client shut its sending side. One that half-closed (shutdown(SHUT_WR), nc -N) still
+        reads, and what it asked for is answered in full; then the connection closes. One that
+        closed (an SDK's timeout) is gone, and its generation must not run on for nobody. Both
+        send the same FIN: only a write tells them apart, so _probe writes one."""
         self._peer_done = True
         if not self.busy:
             self.close()  # nothing to answer (a request cut short can never complete)
+        else:
+            self._probe()
         return True  # keep the transport open for writing
+
+    def _probe(self) -> None:
+        """While a half-closed client's answer has not begun, an interim 100 Continue, which every
+        HTTP/1.1 client skips (RFC 9110 §15.2), at once and then each sweep. A client that closed
+        answers it with a reset, and the next write fails: connection_lost, and the handler's
+        cancellation aborts its engine work, within about a second."""
+        current = self._current
+        if current is not None and current.bytes_sent == 0 and self._request is not None and self._request.http11:
+            self._transport.write(CONTINUE)  # (no 1xx to an HTTP/1.0 client: RFC 9110 §15.2)
 
     def data_received(self, data: bytes) -> None:
         if self._stop_reading:
@@ -183,6 +195,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def check_deadline(self, now: float) -> None:
         """Called once a second by the server: act on an expired deadline."""
+        if self._peer_done and not self.closed:
+            self._probe()
         if not self._deadline_kind or now < self._deadline or self.closed:
             return
         kind, self._deadline_kind = self._deadline_kind, ""
