@@ -82,6 +82,19 @@ def test_completion_logprobs_match_the_model(server, reference):
     assert lp["text_offset"][0] == 0
 
 
+def test_streamed_text_offsets_count_from_the_start_of_the_text(server):
+    from .client import stream_events
+
+    request = {"prompt": PROMPT, "max_tokens": 6, "logprobs": 1, "temperature": 0, "ignore_eos": True, "n": 2}
+    whole = post(server.port, "/v1/completions", request)[1]["choices"]
+    events = [e for e in stream_events(server.port, "/v1/completions", {**request, "stream": True})[:-1]
+              if e["choices"]]
+    for index in (0, 1):
+        offsets = [o for e in events for c in e["choices"] if c["index"] == index and c["logprobs"]
+                   for o in c["logprobs"]["text_offset"]]
+        assert offsets == whole[index]["logprobs"]["text_offset"] and offsets[-1] > 0
+
+
 def test_chat_logprobs_shape(server):
     status, body, _ = post(server.port, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3,

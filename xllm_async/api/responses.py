@@ -56,6 +56,7 @@ class ResponseShape:
         self.tokenizer = tokenizer
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
+        self.streamed: dict[int, int] = {}  # a streamed completion's choices: characters of token text so far
 
     def usage(self, choices: list[Choice]) -> dict:
         completion = sum(c.tokens for c in choices)
@@ -129,13 +130,14 @@ class CompletionShape(ResponseShape):
     def delta_choice(self, delta: Delta, first: bool) -> dict:
         logprobs = None
         if self.logprobs and delta.logprobs is not None:
-            logprobs = self._logprobs([(delta.token_id, delta.logprobs)])
+            # text_offset counts from the start of the choice's text, as in the whole response.
+            logprobs = self._logprobs([(delta.token_id, delta.logprobs)], self.streamed.get(delta.index, 0))
+            self.streamed[delta.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
 
-    def _logprobs(self, entries: list) -> dict:
+    def _logprobs(self, entries: list, offset: int = 0) -> dict:
         tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = 0
         for token_id, lp in entries:
             text = self.token_text(token_id)
             tokens.append(text)
