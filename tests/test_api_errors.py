@@ -43,6 +43,12 @@ BAD_COMPLETIONS = [
     ({**GOOD, "echo": True}, "echo"),
     ({**GOOD, "suffix": "end"}, "suffix"),
     ({**GOOD, "best_of": 3}, "best_of"),
+    ({**GOOD, "best_of": True}, "best_of"),  # no number, though True == 1 in Python
+    ({**GOOD, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({**GOOD, "min_tokens": 4}, "min_tokens"),
+    ({**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({**GOOD, "min_p": 1.5}, "min_p"),
+    ({**GOOD, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({**GOOD, "logit_bias": {"5": 10}}, "logit_bias"),
     ({**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
     ({**GOOD, "frequency_penalty": "x"}, "frequency_penalty"),
@@ -85,6 +91,9 @@ BAD_CHATS = [
     ({"messages": [HI], "response_format": "json"}, "response_format"),
     ({"messages": [HI], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": [HI], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [HI], "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": [HI], "chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
+    ({"messages": [HI], "add_generation_prompt": 1}, "add_generation_prompt"),
     ({"messages": [HI], "logprobs": 1}, "logprobs"),
     ({"messages": [HI], "n": "2"}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
@@ -119,7 +128,8 @@ GOOD_CHATS = [
 @pytest.mark.parametrize("messages", GOOD_CHATS)
 def test_every_openai_message_shape_we_accept_is_served(server, messages):
     body = {"messages": messages, "max_tokens": 2, "response_format": {"type": "text"}, "tools": [],
-            "presence_penalty": 0, "user": "u-1", "stream_options": None}
+            "presence_penalty": 0, "user": "u-1", "stream_options": None, "repetition_penalty": 1,
+            "min_tokens": 0, "best_of": 1}
     status, answer, _ = post(server.port, "/v1/chat/completions", body)
     assert status == 200, answer
 

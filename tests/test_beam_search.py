@@ -92,10 +92,24 @@ def test_rounds_default_to_the_server_setting(server):
     ({"beam_width": 1, "stream": True}, "stream"),  # one beam still keeps to its rounds and table
     ({"beam_width": 4, "n": 2}, "n"),
     ({"beam_width": "wide"}, "beam_width"),
+    # What would change a beam search is refused, not silently ignored.
+    ({"beam_width": 4, "temperature": 0.7}, "temperature"),
+    ({"beam_width": 4, "top_p": 0.9}, "top_p"),
+    ({"beam_width": 4, "top_k": 5}, "top_k"),
+    ({"beam_width": 4, "min_p": 0.1}, "min_p"),
+    ({"beam_width": 4, "stop": ["a"]}, "stop"),
+    ({"beam_width": 4, "stop_token_ids": [7]}, "stop_token_ids"),
+    ({"beam_width": 4, "logprobs": 2}, "logprobs"),
 ])
 def test_bad_beam_requests_get_400(server, body, param):
     status, answer, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], **body})
     assert status == 400 and answer["error"]["param"] == param
+
+
+def test_neutral_sampling_fields_are_accepted_with_a_beam(server):
+    for extra in ({"temperature": 0}, {"temperature": 1, "top_p": 1, "top_k": -1, "seed": 3, "ignore_eos": True}):
+        status, answer, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], "beam_width": 2, **extra})
+        assert status == 200, answer
 
 
 def test_continuous_scheduler_refuses_beam_search_naming_fixed_steps(servers):

@@ -127,6 +127,33 @@ def test_chat_prompt_is_the_models_chat_template(server, reference):
     assert body["choices"][0]["message"]["content"] == text
 
 
+@pytest.mark.parametrize("extra,template_args", [
+    ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+    ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+])
+def test_chat_template_arguments_reach_the_template(server, reference, extra, template_args):
+    messages = [{"role": "user", "content": "Hi"}]
+    text = reference.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   **{"add_generation_prompt": True, **template_args})
+    status, body, _ = post(server.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == len(reference.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_assistant_tool_calls_are_rendered_by_the_template(server, reference):
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]
+    parsed = {**call, "function": {"name": "lookup", "arguments": {"city": "Oslo"}}}
+    text = reference.tokenizer.apply_chat_template(
+        [messages[0], {"role": "assistant", "content": "", "tool_calls": [parsed]}, messages[2]],
+        add_generation_prompt=True, tokenize=False)
+    assert '"city": "Oslo"' in text
+    status, body, _ = post(server.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == len(reference.tokenizer.encode(text, add_special_tokens=False))
+
+
 def test_string_prompt_is_tokenised_like_the_tokenizer(server, reference):
     prompt = "The quick brown fox jumps over the lazy dog"
     ids = reference.tokenizer.encode(prompt)

@@ -35,6 +35,18 @@ def test_stop_string_cuts_text_and_is_not_returned(server, reference):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(server, reference):
+    text = reference.tokenizer.decode(reference(PROMPT, 10), skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    expected = text[: text.index(stop) + len(stop)]
+    body = complete(server.port, PROMPT, 10, stop=[stop], include_stop_str_in_output=True)
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["text"] == expected
+    events = stream_events(server.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "stop": stop,
+                                                            "temperature": 0, "ignore_eos": True,
+                                                            "include_stop_str_in_output": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+
+
 def test_eos_ends_generation_unless_ignored(server, tiny_model_dir):
     # A prompt whose greedy continuation is EOS: put the EOS id in stop_token_ids' place by using the real EOS.
     eos = 151645  # <|im_end|>
@@ -61,6 +73,12 @@ def test_seeded_sampling_is_reproducible_and_n_choices_differ(any_server):
 
 def test_top_k_one_is_greedy(server, reference):
     body = complete(server.port, PROMPT, 5, temperature=1.0, top_k=1)
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(PROMPT, 5), skip_special_tokens=True)
+
+
+def test_min_p_of_one_is_greedy(server, reference):
+    # Only the likeliest token reaches min_p times its own probability.
+    body = complete(server.port, PROMPT, 5, temperature=1.0, min_p=1.0, seed=3)
     assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(PROMPT, 5), skip_special_tokens=True)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import orjson
 
 from ..engine.sampling import SamplingParams
@@ -19,7 +22,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less t
 # OpenAI fields this server does not implement: accepted only at the value that changes nothing
 # (a request relying on them must not get an answer that silently ignored them).
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
-               "functions": [], "echo": False, "suffix": "", "best_of": 1}
+               "functions": [], "echo": False, "suffix": "", "best_of": 1,
+               # vLLM's extensions we do not implement
+               "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}  # None: no value is
 
 
 class BeamLimits:
@@ -120,7 +125,8 @@ def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
     _check_unsupported(body)
     if fields.dict("response_format").get("type", "text") != "text":
         raise bad("response_format", "Only `response_format: {\"type\": \"text\"}` is supported by this server")
-    prompt = _chat_prompt(fields.raw("messages"), model)
+    prompt = _chat_prompt(fields.raw("messages"), model, fields.bool("add_generation_prompt", True),
+                          fields.dict("chat_template_kwargs"))
     logprobs = None
     if fields.bool("logprobs", False):
         logprobs = fields.int("top_logprobs", 0, 0, MAX_LOGPROBS)
@@ -156,11 +162,13 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         temperature=fields.float("temperature", 1.0, 0.0, 100.0),
         top_p=fields.float("top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(top_k, 0),  # -1 and 0 both mean "off", as in vLLM
+        min_p=fields.float("min_p", 0.0, 0.0, 1.0),
         seed=fields.int("seed", None),
         stop=fields.str_list("stop", MAX_STOP_STRINGS),
         stop_token_ids=frozenset(fields.int_list("stop_token_ids", 0, model.vocab_size - 1)),
         ignore_eos=fields.bool("ignore_eos", False),
         logprobs=logprobs,
+        include_stop=fields.bool("include_stop_str_in_output", False),
     )
     stream = fields.bool("stream", False)
     options = Fields(fields.dict("stream_options"))
@@ -173,6 +181,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     n = fields.int("n", 1, 1, model.max_n)
     if beam_width is None:
         return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+    _check_beam_fields(fields, params)
     num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
     if n != 1:
         raise bad("n", "`n` must be 1 with `beam_width`; ask for `num_return_sequences` instead")
@@ -203,16 +212,37 @@ def _check_model(fields: Fields, model: ModelInfo) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_unsupported(body: dict) -> None:
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
-        if value is None or value == neutral:
+        if value is None:
             continue
-        kind = {int: "a number", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}[type(neutral)]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number if type(neutral) is int else type(value) is type(neutral)):
+        if neutral is None:
+            raise bad(name, f"`{name}` is not supported by this server")
+        # The type first: `true == 1` in Python, and best_of: true is no number.
+        if not (_is_number(value) if _is_number(neutral) else type(value) is type(neutral)):
+            kind = {int: "a number", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
+                    list: "a list"}[type(neutral)]
             raise bad(name, f"`{name}` must be {kind}, got {value!r}")
-        raise bad(name, f"`{name}` is not supported by this server (only {neutral!r} is accepted)")
+        if value != neutral:
+            raise bad(name, f"`{name}` is not supported by this server (only {neutral!r} is accepted)")
+
+
+def _check_beam_fields(fields: Fields, params: SamplingParams) -> None:
+    """A beam search ranks by the model's log-probabilities and runs all its rounds: fields that
+    would change that get a 400 rather than be silently ignored."""
+    if params.temperature not in (0.0, 1.0):
+        raise bad("temperature", "A beam search ranks by the model's log-probabilities: `temperature` must be "
+                                 "0 or 1 (or absent) with `beam_width`")
+    for name, used in (("top_p", params.top_p < 1.0), ("top_k", params.top_k > 0), ("min_p", params.min_p > 0),
+                       ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
+                       ("logprobs", params.logprobs is not None)):
+        if used:
+            raise bad(name, f"`{name}` does not apply to a beam search (`beam_width`); leave it out")
 
 
 def _completion_prompts(prompt, model: ModelInfo) -> list[list[int]]:
@@ -250,19 +280,29 @@ def _checked_ids(ids: list[int], model: ModelInfo) -> list[int]:
     return ids
 
 
-def _chat_prompt(messages, model: ModelInfo) -> list[int]:
+def _chat_prompt(messages, model: ModelInfo, add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "`messages` must be a non-empty list")
     plain = [_chat_message(message, i) for i, message in enumerate(messages)]
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "This model has no chat template; use /v1/completions", param="messages")
+    taken = _named_parameters(type(tokenizer).apply_chat_template).intersection(template_kwargs)
+    if taken:  # only the template's own variables (enable_thinking, ...), never the call's arguments
+        raise bad("chat_template_kwargs", f"`chat_template_kwargs` may not set {', '.join(sorted(taken))}")
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **template_kwargs)
     except Exception as exc:  # a template may raise on roles or orders it does not accept
         raise bad("messages", f"The chat template rejected these messages: {exc}") from None
     # The template already wrote the special tokens it wants.
     return _encoded(model, text, "messages", special=False)
+
+
+@functools.cache
+def _named_parameters(function) -> frozenset[str]:
+    """A function's named parameters (apply_chat_template's: tokenize, conversation, ...)."""
+    return frozenset(n for n, p in inspect.signature(function).parameters.items() if p.kind is not p.VAR_KEYWORD)
 
 
 def _chat_message(message, i: int) -> dict:
@@ -295,9 +335,27 @@ def _chat_message(message, i: int) -> dict:
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise bad(f"{where}.tool_call_id", f"Missing required parameter: '{where}.tool_call_id' (a string).")
     calls = message.get("tool_calls")
-    if calls is not None and not (role == "assistant" and isinstance(calls, list)):
-        raise bad(f"{where}.tool_calls", f"`{where}.tool_calls` must be a list, on an assistant message")
+    if calls is not None:
+        if not (role == "assistant" and isinstance(calls, list)):
+            raise bad(f"{where}.tool_calls", f"`{where}.tool_calls` must be a list, on an assistant message")
+        plain["tool_calls"] = [_tool_call(call) for call in calls]
+    if role == "tool":
+        plain["tool_call_id"] = message["tool_call_id"]
     return plain
+
+
+def _tool_call(call):
+    """An assistant's tool call as chat templates expect it: OpenAI sends the arguments as a JSON
+    string, templates (Llama's, Qwen's) want the object; as vLLM does, it is parsed. Whatever the
+    template cannot render, it rejects (a 400)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = orjson.loads(function["arguments"])
+    except orjson.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _message_text(content, where: str) -> str:

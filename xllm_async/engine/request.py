@@ -121,6 +121,6 @@ class EngineRequest(QueuedRequest):
         for stop in self.params.stop:
             at = self.text.find(stop, self._sent)
             if at != -1:
-                self.text = self.text[:at]
+                self.text = self.text[:at + len(stop) if self.params.include_stop else at]
                 return True
         return False

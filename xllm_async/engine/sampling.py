@@ -9,21 +9,24 @@ import torch
 class SamplingParams:
     """How one sequence is generated; validated by the API before it gets here."""
 
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "logprobs", "include_stop")
 
     def __init__(self, max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: tuple[str, ...] = (), stop_token_ids: frozenset[int] = frozenset(),
-                 ignore_eos: bool = False, logprobs: int | None = None) -> None:
+                 ignore_eos: bool = False, logprobs: int | None = None, min_p: float = 0.0,
+                 include_stop: bool = False) -> None:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k  # 0 = off
+        self.min_p = min_p  # 0 = off; else drop tokens less likely than min_p times the likeliest
         self.seed = seed
         self.stop = stop
         self.stop_token_ids = stop_token_ids
         self.ignore_eos = ignore_eos
         self.logprobs = logprobs  # None = off, k = the chosen token plus the k most likely
+        self.include_stop = include_stop  # a matched stop string stays in the text (vLLM's include_stop_str_in_output)
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +122,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
         scores = scores.scatter(1, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = scores.softmax(-1)
+    min_p = torch.tensor([p.min_p for p in params], device=scores.device)
+    if bool((min_p > 0.0).any()):  # after temperature, as in vLLM; the likeliest token always stays
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
     # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p exactly.
     race = torch.empty_like(probs)
     for row, gen in enumerate(generators):
