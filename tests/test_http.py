@@ -108,6 +108,31 @@ def test_unknown_path_404_and_wrong_method_405(server):
     assert b"allow: POST" in raw
 
 
+def test_one_model_card_by_its_id(server):
+    raw = raw_exchange(server.port, request("GET", "/v1/models/tiny", extra="connection: close\r\n"))
+    (status, body), = split_responses(raw)
+    assert status == 200 and orjson.loads(body)["id"] == "tiny" and orjson.loads(body)["object"] == "model"
+    (status, body), = split_responses(raw_exchange(server.port, request("GET", "/v1/models/gpt-9",
+                                                                        extra="connection: close\r\n")))
+    assert_error(status, body, 404)
+
+
+def test_browsers_may_call_the_api(server):
+    # A CORS preflight names the method and headers the page will send; any origin may, as in vLLM.
+    raw = raw_exchange(server.port, request("OPTIONS", "/v1/chat/completions", extra=(
+        "origin: http://app.example\r\naccess-control-request-method: POST\r\n"
+        "access-control-request-headers: authorization, content-type\r\nconnection: close\r\n")))
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 200") and b"access-control-allow-origin: *" in head
+    assert b"access-control-allow-methods: post" in head
+    assert b"access-control-allow-headers: authorization, content-type" in head
+    raw = raw_exchange(server.port, request("POST", "/v1/completions", COMPLETION,
+                                            extra="origin: http://app.example\r\nconnection: close\r\n"))
+    assert raw.startswith(b"HTTP/1.1 200") and b"access-control-allow-origin: *" in raw.partition(b"\r\n\r\n")[0]
+    raw = raw_exchange(server.port, request("POST", "/v1/completions", COMPLETION, extra="connection: close\r\n"))
+    assert b"access-control" not in raw  # not a browser: no CORS headers
+
+
 def test_body_over_the_limit_413(server):
     data = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 999999999\r\n\r\n"
     (status, body), = split_responses(raw_exchange(server.port, data))

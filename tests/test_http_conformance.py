@@ -30,6 +30,7 @@ xllm_async/http/protocol.py checks the rest in its callbacks.
 | GET and HEAD supported; no content in a HEAD answer | 9110 §9.1, §9.3.2 MUST | headers only | test_head_gets_the_headers_and_no_content |
 | Date on every answer | 9110 §6.6.1 MUST | date header | test_every_answer_carries_a_date |
 | no Transfer-Encoding to an HTTP/1.0 client | 9112 §6.1 MUST NOT | close-delimited stream | test_a_stream_to_http10_is_close_delimited |
+| a request cut short by the client's FIN | 9112 §8 (incomplete message) | 400, close | test_a_request_cut_short_by_a_half_close_gets_400 |
 | a client that half-closes still reads | 9112 §9.6 | whole answer (after 100 Continue probes), then close | test_a_half_closed_client_gets_the_whole_answer |
 | unsolicited 1xx before the final answer | 9110 §15.2 MUST parse; none to HTTP/1.0 | 100 Continue probes a FIN'd client | test_robustness.py::test_a_client_that_closes_before_its_answer_has_its_generation_aborted |
 | empty lines before a request-line | 9112 §2.2 SHOULD ignore | ignored | test_robustness.py::test_newline_flood_does_not_hurt |
@@ -233,6 +234,16 @@ def test_a_stream_to_http10_is_close_delimited(server):
     head, _, content = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
     assert content.count(b"data: {") == 3 and content.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("data", [
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + COMPLETION,
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\n{\"pro",
+], ids=["short-body", "unfinished-chunks"])
+def test_a_request_cut_short_by_a_half_close_gets_400(server, data):
+    raw = exchange(server.port, data, half_close=True)
+    (status, body), = split_responses(raw)
+    assert status == 400 and b"before the request was complete" in body
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -15,6 +15,9 @@ def client(server):
 
 def test_models_list(client):
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
 
 
 def test_completion(client, reference):

@@ -8,6 +8,7 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import unquote
 
 import orjson
 
@@ -27,6 +28,8 @@ from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
 log = logging.getLogger("xllm_async.api")
 
 _REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")  # echoed into a header: nothing that could break it
+_HEADER_LIST = re.compile(r"^[\w, -]{1,512}$")  # header names a preflight asks for, echoed likewise
+CORS_ORIGIN = b"access-control-allow-origin: *\r\n"
 # How a sequence that ended without finishing is answered.
 _FAILURES = {"error": 500, "timeout": 408, "shutdown": 503}
 
@@ -57,6 +60,7 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
             "/v1/models": {"GET": self.models},
+            "/v1/models/{id}": {"GET": self.model_card},  # any path below /v1/models/
             "/health": {"GET": self.health},
             "/metrics": {"GET": self.prometheus},
             "/server_info": {"GET": self.info},
@@ -74,11 +78,18 @@ class OpenAIApp:
         else:
             request_id = None
         responder.record = AccessRecord(request_id or new_id("req"))
+        if "origin" in request.headers:  # a browser's page may read our answers, as vLLM's default allows
+            responder.headers += CORS_ORIGIN
         try:
             methods = self.routes.get(request.path)
+            if methods is None and request.path.startswith("/v1/models/"):
+                methods = self.routes["/v1/models/{id}"]
             if methods is None:
                 raise ApiError(404, f"Route {request.path} not found")
             handler = methods.get(request.method)
+            if handler is None and request.method == "OPTIONS":
+                self._preflight(request, responder, methods)
+                return
             if handler is None:
                 allowed = ", ".join(methods)
                 raise ApiError(405, f"Method {request.method} not allowed on {request.path}; use {allowed}",
@@ -122,11 +133,29 @@ class OpenAIApp:
         else:
             responder.send(200, b"")
 
+    def _card(self) -> dict:
+        return {"id": self.model.name, "object": "model", "created": int(self.started), "owned_by": "xllm_async",
+                "root": self.server_info.get("model_path"), "max_model_len": self.model.max_model_len}
+
     async def models(self, request: HttpRequest, responder: Responder) -> None:
-        responder.send(200, orjson.dumps({"object": "list", "data": [{
-            "id": self.model.name, "object": "model", "created": int(self.started), "owned_by": "xllm_async",
-            "root": self.server_info["model_path"], "max_model_len": self.model.max_model_len,
-        }]}))
+        responder.send(200, orjson.dumps({"object": "list", "data": [self._card()]}))
+
+    async def model_card(self, request: HttpRequest, responder: Responder) -> None:
+        name = unquote(request.path[len("/v1/models/"):])
+        if name != self.model.name:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model")
+        responder.send(200, orjson.dumps(self._card()))
+
+    @staticmethod
+    def _preflight(request: HttpRequest, responder: Responder, methods: dict) -> None:
+        """A browser's CORS preflight: any origin, the route's methods, the headers it asks for."""
+        asked = request.headers.get("access-control-request-headers", "")
+        allowed = "authorization, content-type, x-request-id"
+        if asked and _HEADER_LIST.match(asked):
+            allowed = asked
+        responder.send(200, b"", content_type=TEXT, headers=(
+            f"access-control-allow-methods: {', '.join(methods)}\r\naccess-control-allow-headers: {allowed}\r\n"
+            "access-control-max-age: 600\r\n").encode("latin-1"))
 
     async def prometheus(self, request: HttpRequest, responder: Responder) -> None:
         if not self.metrics.enabled:

@@ -148,8 +148,12 @@ class HttpProtocol(asyncio.Protocol):
         closed (an SDK's timeout) is gone, and its generation must not run on for nobody. Both
         send the same FIN: only a write tells them apart, so _probe writes one."""
         self._peer_done = True
+        if self._receiving and not self._stop_reading:  # cut short: it can never complete
+            self._receiving = False
+            self._deadline_kind = ""
+            self._fail(ApiError(400, "The client shut its side of the connection before the request was complete"))
         if not self.busy:
-            self.close()  # nothing to answer (a request cut short can never complete)
+            self.close()  # nothing to answer
         else:
             self._probe()
         return True  # keep the transport open for writing
