@@ -40,13 +40,13 @@ BAD_COMPLETIONS = [
     ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),  # only with stream
     ({**GOOD, "model": 5}, "model"),
     ({**GOOD, "user": 5}, "user"),
-    ({**GOOD, "echo": True}, "echo"),
+    ({**GOOD, "echo": "yes"}, "echo"),
     ({**GOOD, "suffix": "end"}, "suffix"),
     ({**GOOD, "best_of": 3}, "best_of"),
     ({**GOOD, "best_of": True}, "best_of"),  # no number, though True == 1 in Python
     ({**GOOD, "repetition_penalty": 1.2}, "repetition_penalty"),
     ({**GOOD, "min_tokens": 4}, "min_tokens"),
-    ({**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({**GOOD, "prompt_logprobs": -1}, "prompt_logprobs"),
     ({**GOOD, "min_p": 1.5}, "min_p"),
     ({**GOOD, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({**GOOD, "logit_bias": {"5": 10}}, "logit_bias"),

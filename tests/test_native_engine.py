@@ -59,6 +59,34 @@ def test_packed_prefill_and_decode_equal_transformers_on_mixed_lengths(native, r
             torch.testing.assert_close(logits[row], reference_logits(reference, seq), atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("engine", ["native", "copied"])
+def test_prompt_scores_are_the_models_log_probabilities_of_each_next_token(engine, native, copied, reference):
+    runner = {"native": native, "copied": copied}[engine]
+    prompts = random_prompts(12, [5, 40, 1, 17, 2])
+    scored = [3, None, 0, 0, 20]  # scored and plain rows mixed, a one-token prompt among them
+    with torch.inference_mode():
+        plain, _ = runner.prefill(prompts, capacity=60)
+        logits, kv, scores = runner.prefill_scored(prompts, 60, None, scored)
+        torch.testing.assert_close(logits, plain, atol=2e-4, rtol=2e-4)  # the next token's logits as ever
+        assert kv is not None and scores[1] is None
+        for prompt, top, score in zip(prompts, scored, scores):
+            if top is None:
+                continue
+            expected = torch.log_softmax(reference.model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+            assert len(score.logprobs) == len(score.ranks) == len(score.top) == len(prompt) - 1
+            for position, token in enumerate(prompt[1:]):
+                row = expected[position]
+                assert abs(score.logprobs[position] - float(row[token])) < 2e-4
+                # (random weights: many values lie within rounding of the token's; the rank may fall among them)
+                above, near = int((row > row[token] + 1e-4).sum()), int((row > row[token] - 1e-4).sum())
+                assert above < score.ranks[position] <= near + 1
+                assert [v for _, v in score.top[position]] == pytest.approx(row.topk(top).values.tolist(), abs=2e-4)
+        # The cache holds the prompts as prefill's does: decoding from it gives the same logits.
+        tokens = logits.argmax(-1).tolist()
+        torch.testing.assert_close(runner.decode(kv, tokens), runner.decode(runner.prefill(prompts, 60)[1], tokens),
+                                   atol=2e-4, rtol=2e-4)
+
+
 def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
     first, second = random_prompts(12, [5, 9]), random_prompts(13, [30, 2, 12])
     with torch.inference_mode():

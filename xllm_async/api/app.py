@@ -225,6 +225,8 @@ class OpenAIApp:
                     responder.send(200, shape.beam_response(self._chosen_beams(timer.beams, spec),
                                                             self.items is not None))
                 else:
+                    if spec.scoring is not None:
+                        shape.score(spec.scoring, requests, choices)
                     responder.send(200, shape.response(choices))
         finally:
             if stream.unfinished:  # the client went away (or we failed): stop spending compute

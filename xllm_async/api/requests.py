@@ -22,9 +22,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less t
 # OpenAI fields this server does not implement: accepted only at the value that changes nothing
 # (a request relying on them must not get an answer that silently ignored them).
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
-               "functions": [], "echo": False, "suffix": "", "best_of": 1,
+               "functions": [], "suffix": "", "best_of": 1,
                # vLLM's extensions we do not implement
-               "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}  # None: no value is
+               "repetition_penalty": 1.0, "min_tokens": 0}
 
 
 class BeamLimits:
@@ -71,7 +71,7 @@ class GenerationSpec:
     """One validated request: its prompts (token ids), parameters and output options."""
 
     __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
-                 "num_return_sequences")
+                 "num_return_sequences", "scoring")
 
     def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
                  num_return_sequences=1) -> None:
@@ -84,6 +84,22 @@ class GenerationSpec:
         self.top_logprobs = top_logprobs
         self.beam_width: int | None = beam_width  # set: a beam search (params.max_tokens = its rounds)
         self.num_return_sequences: int = num_return_sequences
+        self.scoring: Scoring | None = None  # completions that echo or score their prompts
+
+
+class Scoring:
+    """What a completion asks about its prompts (scoring, as lm-eval-harness does): `echo` puts
+    each prompt before its completion (with `logprobs`, the prompt tokens' too); `prompt_logprobs`
+    (vLLM's) adds every prompt token's log-probability, rank and alternatives; max_tokens 0 with
+    echo answers with the prompt alone."""
+
+    __slots__ = ("echo", "texts", "prompt_logprobs", "no_output")
+
+    def __init__(self, echo: bool, texts: list[str | None], prompt_logprobs: int | None, no_output: bool) -> None:
+        self.echo = echo
+        self.texts = texts  # each prompt as sent, where it was text (token ids are decoded for echo)
+        self.prompt_logprobs = prompt_logprobs
+        self.no_output = no_output
 
 
 def parse_json(body: bytes) -> dict:
@@ -113,10 +129,26 @@ def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
     _check_unsupported(body)
     prompts = _completion_prompts(fields.raw("prompt"), model)
     logprobs = fields.int("logprobs", None, 0, MAX_LOGPROBS)
-    max_tokens = fields.int("max_tokens", None, 1)
+    echo = fields.bool("echo", False)
+    prompt_logprobs = fields.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    max_tokens = fields.int("max_tokens", None, 0 if echo else 1)
     if max_tokens is None and fields.raw("beam_width") is None:
         max_tokens = 16  # OpenAI's default for completions
-    return _spec(fields, model, prompts, max_tokens, "prompt", logprobs, chat=False)
+    no_output = max_tokens == 0  # (one token is generated and left out: every sequence makes one)
+    spec = _spec(fields, model, prompts, 1 if no_output else max_tokens, "prompt", logprobs, chat=False)
+    if echo or prompt_logprobs is not None:
+        for name, value in (("stream", spec.stream), ("beam_width", spec.beam_width is not None)):
+            if value:
+                raise bad(name, f"`echo` and `prompt_logprobs` are not supported with `{name}`")
+        raw = fields.raw("prompt")
+        texts = [raw] if isinstance(raw, str) else [p if isinstance(p, str) else None for p in raw]
+        if len(texts) != len(prompts):  # a list of token ids is one prompt
+            texts = [None]
+        # The prompt's scores: for echo with logprobs, and for prompt_logprobs, the wider of the two.
+        wanted = [k for k in (logprobs if echo else None, prompt_logprobs) if k is not None]
+        spec.params.prompt_logprobs = max(wanted) if wanted else None
+        spec.scoring = Scoring(echo, texts, prompt_logprobs, no_output)
+    return spec
 
 
 def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
@@ -125,6 +157,9 @@ def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
     _check_unsupported(body)
     if fields.dict("response_format").get("type", "text") != "text":
         raise bad("response_format", "Only `response_format: {\"type\": \"text\"}` is supported by this server")
+    for name in ("echo", "prompt_logprobs"):
+        if fields.raw(name) not in (None, False):
+            raise bad(name, f"`{name}` is not supported on chat completions by this server; use /v1/completions")
     prompt = _chat_prompt(fields.raw("messages"), model, fields.bool("add_generation_prompt", True),
                           fields.dict("chat_template_kwargs"))
     logprobs = None

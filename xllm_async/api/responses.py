@@ -121,11 +121,60 @@ class ResponseShape:
 class CompletionShape(ResponseShape):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    scoring = None  # set by score(): the prompts to echo or score, per choice
+
+    def score(self, scoring, requests: list, choices: list[Choice]) -> None:
+        """Echo and score the prompts of these finished choices (whole responses only)."""
+        self.scoring = (scoring, requests)
+        if scoring.no_output:  # max_tokens 0: the token generated is left out
+            for choice in choices:
+                choice.parts, choice.logprobs, choice.tokens, choice.finish_reason = [], [], 0, "length"
 
     def whole_choice(self, index: int, choice: Choice) -> dict:
+        if self.scoring is not None:
+            return self._scored_choice(index, choice)
         return {"index": index, "text": "".join(choice.parts),
                 "logprobs": self._logprobs(choice.logprobs) if self.logprobs else None,
                 "finish_reason": choice.finish_reason}
+
+    def _scored_choice(self, index: int, choice: Choice) -> dict:
+        scoring, requests = self.scoring
+        request = requests[index]
+        prompt, scores = request.prompt_ids, request.prompt_scores
+        text = "".join(choice.parts)
+        logprobs = None
+        if scoring.echo:
+            sent = scoring.texts[index // (len(requests) // len(scoring.texts))]
+            text = (sent if sent is not None else self.tokenizer.decode(prompt)) + text
+            if self.logprobs:
+                # The prompt's tokens first: the first has no log-probability (nothing comes before it).
+                texts = self.tokenizer.batch_decode([[t] for t in prompt])
+                k = request.params.logprobs
+                top = [None] + [{self.token_text(t): v for t, v in alternatives[:k]} if k else None
+                                for alternatives in scores.top]
+                generated = self._logprobs(choice.logprobs, sum(map(len, texts)))
+                logprobs = {"tokens": texts + generated["tokens"],
+                            "token_logprobs": [None] + scores.logprobs + generated["token_logprobs"],
+                            "top_logprobs": top + generated["top_logprobs"],
+                            "text_offset": list(itertools.accumulate(map(len, texts[:-1]), initial=0))
+                            + generated["text_offset"]}
+        elif self.logprobs:
+            logprobs = self._logprobs(choice.logprobs)
+        body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        if scoring.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt, scores, scoring.prompt_logprobs)
+        return body
+
+    def _prompt_logprobs(self, prompt: list[int], scores, k: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank,
+        decoded_token}} for the prompt's own token and the k likeliest."""
+        out: list = [None]
+        for token, logprob, rank, alternatives in zip(prompt[1:], scores.logprobs, scores.ranks, scores.top):
+            entry = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token)}}
+            for place, (t, v) in enumerate(alternatives[:k], 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": place, "decoded_token": self.token_text(t)})
+            out.append(entry)
+        return out
 
     def delta_choice(self, delta: Delta, first: bool) -> dict:
         logprobs = None

@@ -50,9 +50,15 @@ class GenerationBatch:
             req.started = started
         prompts = [r.prompt_ids for r in requests]
         first = len(self.requests) if into is not None else 0
+        capacity, kv = cache_capacity(requests, self.runner.max_model_len), self.kv if into is not None else None
+        scored = [r.params.prompt_logprobs for r in requests]
         try:
-            logits, self.kv = self.runner.prefill(prompts, cache_capacity(requests, self.runner.max_model_len),
-                                                  self.kv if into is not None else None)
+            if any(k is not None for k in scored):  # (scoring: every position's logits of these prompts)
+                logits, self.kv, scores = self.runner.prefill_scored(prompts, capacity, kv, scored)
+                for req, score in zip(requests, scores):
+                    req.prompt_scores = score
+            else:
+                logits, self.kv = self.runner.prefill(prompts, capacity, kv)
         except Exception:
             if into is not None and self.kv is not None:  # the running rows go on; drop half-written ones
                 self.kv.select(list(range(first)))

@@ -54,7 +54,8 @@ class QueuedRequest:
 class EngineRequest(QueuedRequest):
     """A prompt, its sampling parameters and its generation state."""
 
-    __slots__ = ("params", "generator", "output_ids", "text", "_sent", "_detok", "_hold", "_eos", "_max_len")
+    __slots__ = ("params", "generator", "output_ids", "text", "prompt_scores", "_sent", "_detok", "_hold", "_eos",
+                 "_max_len")
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         super().__init__(index, prompt_ids, sink)
@@ -62,6 +63,7 @@ class EngineRequest(QueuedRequest):
         self.generator = None
         self.output_ids: list[int] = []
         self.text = ""
+        self.prompt_scores = None  # with params.prompt_logprobs: PromptScores, set by the prefill
         self._sent = 0  # characters of text already handed out
         self._detok: IncrementalDetokenizer | None = None
         # Text that could still become the start of a stop string is held back.

@@ -10,12 +10,12 @@ class SamplingParams:
     """How one sequence is generated; validated by the API before it gets here."""
 
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "logprobs", "include_stop")
+                 "ignore_eos", "logprobs", "include_stop", "prompt_logprobs")
 
     def __init__(self, max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: tuple[str, ...] = (), stop_token_ids: frozenset[int] = frozenset(),
                  ignore_eos: bool = False, logprobs: int | None = None, min_p: float = 0.0,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, prompt_logprobs: int | None = None) -> None:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -27,6 +27,7 @@ class SamplingParams:
         self.ignore_eos = ignore_eos
         self.logprobs = logprobs  # None = off, k = the chosen token plus the k most likely
         self.include_stop = include_stop  # a matched stop string stays in the text (vLLM's include_stop_str_in_output)
+        self.prompt_logprobs = prompt_logprobs  # None = off, k = score every prompt token, with the k most likely
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +42,39 @@ class TokenLogprobs:
     def __init__(self, logprob: float, top: list[tuple[int, float]]) -> None:
         self.logprob = logprob
         self.top = top
+
+
+class PromptScores:
+    """What the model made of a prompt: for each token after the first, its log-probability
+    given the tokens before it, its rank there (1 = the likeliest) and the top alternatives."""
+
+    __slots__ = ("logprobs", "ranks", "top")
+
+    def __init__(self) -> None:
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.top: list[list[tuple[int, float]]] = []
+
+
+SCORE_ROWS = 64  # positions scored at once: 64 x a 151,669-token vocabulary is 39 MB of float32 logits
+
+
+def score_prompt(head, hidden: torch.Tensor, targets: list[int], top: int) -> PromptScores:
+    """hidden [len(targets), hidden]: the final states of positions 0..n-2, which predict the
+    prompt's tokens 1..n-1 (targets); head(rows) gives their float32 logits over the vocabulary."""
+    scores = PromptScores()
+    wanted = torch.tensor(targets, device=hidden.device)
+    for start in range(0, len(targets), SCORE_ROWS):
+        logprobs = torch.log_softmax(head(hidden[start:start + SCORE_ROWS]), dim=-1)
+        chosen = logprobs.gather(1, wanted[start:start + SCORE_ROWS, None])
+        scores.logprobs += chosen[:, 0].tolist()
+        scores.ranks += ((logprobs > chosen).sum(-1) + 1).tolist()
+        if top:
+            values, ids = logprobs.topk(top, dim=-1)
+            scores.top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            scores.top += [[] for _ in range(chosen.shape[0])]
+    return scores
 
 
 def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:

@@ -118,10 +118,11 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
 class PackedPrefill:
     """Prompts packed end to end: positions restart at 0 for every sequence."""
 
-    __slots__ = ("lengths", "groups", "positions", "last", "cache", "first_row", "last_only")
+    __slots__ = ("lengths", "groups", "positions", "last", "cache", "first_row", "last_only", "scoring",
+                 "last_kept")
 
     def __init__(self, lengths: list[int], device: torch.device, cache: SlabCache | None = None,
-                 first_row: int = 0) -> None:
+                 first_row: int = 0, whole: list[bool] | None = None) -> None:
         self.lengths = lengths
         # Runs of equal lengths (start token, count, length): one attention call each.
         self.groups: list[tuple[int, int, int]] = []
@@ -132,6 +133,18 @@ class PackedPrefill:
         self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
         ends = torch.tensor(lengths).cumsum(0)
         self.last = (ends - 1).to(device)  # each sequence's last token in the packed rows
+        self.last_kept = None  # where each last token is among the rows kept (None: they are all the rows)
+        # Scoring (whole[i]: every position of sequence i needs its logits, for prompt logprobs): the
+        # last layer keeps all of that sequence's rows and only the last row of the others.
+        self.scoring = bool(whole) and any(whole)
+        if self.scoring:
+            kept, last_kept, start = [], [], 0
+            for n, every in zip(lengths, whole):
+                kept.extend(range(start, start + n) if every else (start + n - 1,))
+                last_kept.append(len(kept) - 1)
+                start += n
+            self.last = torch.tensor(kept, device=device)
+            self.last_kept = torch.tensor(last_kept, device=device)
         self.cache = cache
         self.first_row = first_row
         self.last_only = False  # set by the model for its last layer: only last tokens' outputs matter

@@ -119,6 +119,8 @@ class DecoderLayer(nn.Module):
         attn = self.attn(self.input_norm(x), cos, sin, ctx)
         if keep is not None:  # the last layer of a prefill: only the rows that need logits go on
             x = x[keep]
+            if not ctx.last_only:  # scoring: attention ran for every row, the kept ones go on
+                attn = attn[keep]
         if self.fused:
             x, normed = torch.ops.xllm.add_rms_norm(attn, x, self.post_attention_norm.weight,
                                                     self.post_attention_norm.eps)
@@ -161,7 +163,7 @@ class CausalLM(nn.Module):
             if hook is not None:
                 hook()
         keep = getattr(ctx, "last", None)
-        if keep is not None:
+        if keep is not None and not ctx.scoring:
             ctx.last_only = True
         x = last(x, cos, sin, ctx, keep)
         if hook is not None:

@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ..engine.sampling import score_prompt
 from .host_memory import pack_weights
 from .model_runner import eos_ids, resolve_dtype
 
@@ -103,6 +104,21 @@ class TransformersRunner:
                 into: KvCache | None = None) -> tuple[torch.Tensor, KvCache | None]:
         """Run the prompts; return last-position logits [rows, vocab] and, if asked
         (capacity > 0 or into), their cache (into: merged below into's rows)."""
+        _, logits, kv = self._run(prompts, capacity, into, False)
+        return logits, kv
+
+    def prefill_scored(self, prompts: list[list[int]], capacity: int, into: KvCache | None,
+                       scored: list[int | None]):
+        """prefill(), and for each prompt i with scored[i] set, its PromptScores (as ModelRunner's).
+        transformers computes every position's logits of the batch, [rows, longest, vocab]."""
+        every, logits, kv = self._run(prompts, capacity, into, True)
+        width = every.shape[1]
+        scores = [None if top is None else
+                  score_prompt(lambda rows: rows.float(), every[i, width - len(p):width - 1], p[1:], top)
+                  for i, (p, top) in enumerate(zip(prompts, scored))]
+        return logits, kv, scores
+
+    def _run(self, prompts: list[list[int]], capacity: int, into: KvCache | None, every_position: bool):
         keep_cache = bool(capacity) or into is not None
         lengths = [len(p) for p in prompts]
         width = max(lengths)
@@ -114,15 +130,15 @@ class TransformersRunner:
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self.config) if keep_cache else None
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=keep_cache, logits_to_keep=1)
+                         cache=cache, use_cache=keep_cache, logits_to_keep=0 if every_position else 1)
         logits = out.logits[:, -1, :].float()
         if not keep_cache:
-            return logits, None
+            return out.logits, logits, None
         kv = KvCache(cache, mask, positions[:, -1] + 1)
         if into is None:
-            return logits, kv
+            return out.logits, logits, kv
         into.merge(kv)
-        return logits, into
+        return out.logits, logits, into
 
     def decode(self, kv: KvCache, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""

@@ -50,6 +50,10 @@ class HeldRunner:
         self._wait("prefill")
         return self._runner.prefill(*args, **kwargs)
 
+    def prefill_scored(self, *args, **kwargs):
+        self._wait("prefill")
+        return self._runner.prefill_scored(*args, **kwargs)
+
     def decode(self, *args, **kwargs):
         self._wait("decode")
         return self._runner.decode(*args, **kwargs)

@@ -20,6 +20,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from ..engine.sampling import score_prompt  # (a leaf module: tensors in, numbers out)
 from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
@@ -141,6 +142,27 @@ class ModelRunner:
         capacity > 0 keeps their keys in a cache with room for that many tokens a row;
         into appends them as new rows of an existing cache (the continuous scheduler).
         """
+        hidden, cache, _ = self._packed(prompts, capacity, into, None)
+        return self.model.logits(hidden), cache
+
+    def prefill_scored(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
+                       scored: list[int | None]) -> tuple[torch.Tensor, SlabCache | None, list]:
+        """prefill(), and for each prompt i with scored[i] set, its PromptScores with the
+        scored[i] likeliest alternatives at every position (None for the others)."""
+        hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored])
+        head = self.model.logits
+        scores, row = [], 0
+        for prompt, top in zip(prompts, scored):
+            if top is None:
+                scores.append(None)
+                row += 1
+                continue
+            scores.append(score_prompt(head, hidden[row:row + len(prompt) - 1], prompt[1:], top))
+            row += len(prompt)
+        return head(hidden[ctx.last_kept]), cache, scores
+
+    def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
+                whole: list[bool] | None) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
         lengths = [len(p) for p in prompts]
         cache, first = into, 0
         if capacity or into is not None:
@@ -148,9 +170,8 @@ class ModelRunner:
             if cache is None:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
-        ctx = PackedPrefill(lengths, self.device, cache, first)
-        hidden = self.model(self._ids(list(itertools.chain.from_iterable(prompts))), ctx)
-        return self.model.logits(hidden), cache
+        ctx = PackedPrefill(lengths, self.device, cache, first, whole)
+        return self.model(self._ids(list(itertools.chain.from_iterable(prompts))), ctx), cache, ctx
 
     def decode(self, kv: SlabCache, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
