@@ -38,6 +38,7 @@ BAD_COMPLETIONS = [
     ({**GOOD, "stream_options": []}, "stream_options"),
     ({**GOOD, "logprobs": 50}, "logprobs"),
     ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),  # only with stream
+    ({**GOOD, "stream_options": {}}, "stream_options"),
     ({**GOOD, "model": 5}, "model"),
     ({**GOOD, "user": 5}, "user"),
     ({**GOOD, "echo": "yes"}, "echo"),

@@ -207,7 +207,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     )
     stream = fields.bool("stream", False)
     options = Fields(fields.dict("stream_options"))
-    if options.body and not stream:
+    if fields.raw("stream_options") is not None and not stream:  # (even {}: OpenAI refuses it too)
         raise bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
     user = fields.raw("user")
     if user is not None and not isinstance(user, str):
