@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import logging
 import re
@@ -198,6 +199,13 @@ class OpenAIApp:
                         for i, prompt in enumerate(spec.prompts)]
         else:
             requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
+            if spec.params.prompt_logprobs is not None and spec.n > 1:
+                # A prompt is scored once: its first choice's scores serve its other choices.
+                unscored = copy.copy(spec.params)
+                unscored.prompt_logprobs = None
+                for req in requests:
+                    if req.index % spec.n:
+                        req.params = unscored
         # As OpenAI and vLLM count it: each prompt once, however many choices share it.
         prompt_tokens = sum(len(p) for p in spec.prompts)
         shape = shape_class(self.model.name, self.model.tokenizer, prefix, prompt_tokens,

@@ -139,12 +139,13 @@ class CompletionShape(ResponseShape):
 
     def _scored_choice(self, index: int, choice: Choice) -> dict:
         scoring, requests = self.scoring
+        n = len(requests) // len(scoring.texts)  # choices a prompt
         request = requests[index]
-        prompt, scores = request.prompt_ids, request.prompt_scores
+        prompt, scores = request.prompt_ids, requests[index - index % n].prompt_scores  # (scored once a prompt)
         text = "".join(choice.parts)
         logprobs = None
         if scoring.echo:
-            sent = scoring.texts[index // (len(requests) // len(scoring.texts))]
+            sent = scoring.texts[index // n]
             text = (sent if sent is not None else self.tokenizer.decode(prompt)) + text
             if self.logprobs:
                 # The prompt's tokens first: the first has no log-probability (nothing comes before it).
