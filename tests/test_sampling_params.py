@@ -96,7 +96,11 @@ def test_completion_logprobs_match_the_model(server, reference):
     first = int(expected.argmax())
     assert math.isclose(lp["token_logprobs"][0], float(expected[first]), abs_tol=1e-3)
     assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"]) == 3
-    assert len(lp["top_logprobs"][0]) <= 2
+    assert len(lp["top_logprobs"][0]) <= 3  # the 2 likeliest and the chosen token, as OpenAI answers
+    assert all(top[t] == v for top, t, v in zip(lp["top_logprobs"], lp["tokens"], lp["token_logprobs"]))
+    body = complete(server.port, PROMPT, 2, logprobs=0)  # logprobs 0: the chosen token alone
+    lp = body["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
     assert lp["text_offset"][0] == 0
 
 

@@ -30,7 +30,9 @@ def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(any_server, referenc
     assert lp["tokens"] == [reference.tokenizer.decode([t]) for t in PROMPT]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(prompt_logprobs(reference, PROMPT).tolist(), abs=2e-4)
-    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    # The 2 likeliest and the token itself ("up to logprobs + 1 elements", as OpenAI answers).
+    assert all(2 <= len(top) <= 3 and top[t] == v for top, t, v in zip(lp["top_logprobs"][1:], lp["tokens"][1:],
+                                                                         lp["token_logprobs"][1:]))
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(PROMPT))]
 
 

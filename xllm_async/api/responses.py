@@ -151,8 +151,8 @@ class CompletionShape(ResponseShape):
                 # The prompt's tokens first: the first has no log-probability (nothing comes before it).
                 texts = [self.token_text(t) for t in prompt]  # (2 us each; batch_decode takes 28)
                 k = request.params.logprobs
-                top = [None] + [{self.token_text(t): v for t, v in alternatives[:k]} if k else None
-                                for alternatives in scores.top]
+                top = [None] + [self._top(alternatives[:k], texts[i + 1], lp)
+                                for i, (alternatives, lp) in enumerate(zip(scores.top, scores.logprobs))]
                 generated = self._logprobs(choice.logprobs, sum(map(len, texts)))
                 logprobs = {"tokens": texts + generated["tokens"],
                             "token_logprobs": [None] + scores.logprobs + generated["token_logprobs"],
@@ -192,10 +192,16 @@ class CompletionShape(ResponseShape):
             text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(lp.logprob)
-            top.append({self.token_text(t): v for t, v in lp.top} if lp.top else None)
+            top.append(self._top(lp.top, text, lp.logprob))
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _top(self, alternatives: list, text: str, logprob: float) -> dict:
+        """The k likeliest and the token itself, as OpenAI answers ("up to logprobs + 1 elements")."""
+        top = {self.token_text(t): v for t, v in alternatives}
+        top.setdefault(text, logprob)
+        return top
 
 
 class ChatShape(ResponseShape):
