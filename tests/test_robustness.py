@@ -201,6 +201,22 @@ def test_a_client_that_closes_before_its_answer_has_its_generation_aborted(stric
     assert metric(strict, "xllm:prompt_tokens", "xllm:prompt_tokens_total") == prompt_before + 10
 
 
+def test_requests_whose_clients_left_free_their_queue_places_at_once(strict):
+    # SDK timeouts with retries would otherwise fill the queue with their own dead entries (503s).
+    aborts_before = aborts(strict)
+    body = {"prompt": [9] * 5, "max_tokens": 1}
+    with slot_held(strict) as holder:
+        gone = [send_request(strict.port, body) for _ in range(32)]
+        wait_until(lambda: metric(strict, "xllm:num_requests_waiting") == 32, what="a full queue")
+        for sock in gone:
+            sock.close()
+        wait_until(lambda: aborts(strict) == aborts_before + 32, what="the aborts")
+        wait_until(lambda: metric(strict, "xllm:num_requests_waiting") == 0, what="an empty queue")
+        late = send_request(strict.port, body)  # admitted while the slot is still held
+        wait_until(lambda: metric(strict, "xllm:num_requests_waiting") == 1, what="the late request waiting")
+    assert holder.result()[0] == 200 and read_answer(late)[0] == 200
+
+
 def test_stream_whose_client_stops_reading_is_ended(strict):
     before = aborts(strict)
     # 32 x 190 events with 20 logprobs each are over 10 MB: far more than the socket buffers

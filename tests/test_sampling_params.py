@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from .client import post, stream_events
@@ -80,6 +81,12 @@ def test_min_p_of_one_is_greedy(server, reference):
     # Only the likeliest token reaches min_p times its own probability.
     body = complete(server.port, PROMPT, 5, temperature=1.0, min_p=1.0, seed=3)
     assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(PROMPT, 5), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 1e-6])
+def test_a_vanishing_temperature_is_greedy(server, reference, temperature):
+    body = complete(server.port, PROMPT, 4, temperature=temperature, seed=3)
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(reference(PROMPT, 4), skip_special_tokens=True)
 
 
 def test_tiny_top_p_is_greedy(server, reference):

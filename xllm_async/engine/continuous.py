@@ -42,6 +42,9 @@ class ContinuousScheduler:
     def busy_slots(self) -> int:
         return 1 if self._running else 0
 
+    def drop_aborted(self) -> None:
+        """Nothing to do now: the slot thread skips aborted requests at its next step, milliseconds away."""
+
     def start(self) -> None:
         self.slot.submit(self._serve)
 

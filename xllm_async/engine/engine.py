@@ -67,8 +67,9 @@ class Engine:
 
     def abort(self, requests: list[QueuedRequest]) -> None:
         """The caller is gone: skip these if waiting, drop them at the next step if running."""
-        for req in requests:
-            self._end(req, "abort")
+        waited = [req for req in requests if self._end(req, "abort") and not req.started]
+        if waited:  # their places in the queue are free at once, not when a batch next ends
+            self.scheduler.drop_aborted()
 
     def end_all(self, reason: str, message: str) -> None:
         """Answer every unfinished sequence now with this reason (the server is going away)."""
@@ -79,9 +80,11 @@ class Engine:
     def _expire(self, requests: list[QueuedRequest]) -> None:
         # Only sequences that never started: one that runs is answered in full.
         message = f"Request waited more than {self.queue_timeout} s for a batch"
-        for req in requests:
-            if not req.started and self._end(req, "timeout"):
-                req.sink.push(Delta(req.index, "", None, None, "timeout", message))
+        expired = [req for req in requests if not req.started and self._end(req, "timeout")]
+        for req in expired:
+            req.sink.push(Delta(req.index, "", None, None, "timeout", message))
+        if expired:
+            self.scheduler.drop_aborted()
 
     def _end(self, req: QueuedRequest, reason: str) -> bool:
         if req.done:

@@ -382,7 +382,7 @@ class FixedStepsBatcher:
 
     def _release(self, slot, size: int, prefill_seconds: float) -> None:
         self._finished(slot, size, prefill_seconds)
-        self._waited_at_release = self._drop_aborted()
+        self._waited_at_release = self.drop_aborted()
         self._idle.append(slot)
         self._arrived.set()
 
@@ -408,7 +408,7 @@ class FixedStepsBatcher:
         self._owed.append([self._released_at, size])
         self._forget_stale(self._released_at)
 
-    def _drop_aborted(self) -> int:
+    def drop_aborted(self) -> int:
         """Take requests that were answered while they waited (timed out, client gone) off the
         queue now, not at the next take(): a batch may wait for company first, and meanwhile they
         would count against the queue limit. Returns how many live requests wait."""

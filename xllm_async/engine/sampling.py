@@ -31,7 +31,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 (vLLM's _SAMPLING_EPS) as greedy: logits divided by a temperature under float32's
+        # smallest normal number overflow to inf and NaN, and the sampler would answer token 0.
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 class TokenLogprobs:
