@@ -6,9 +6,13 @@ Every choice below is there so that restarting or losing a replica costs as few 
 - health checks on /health: a replica that is draining (SIGTERM) answers 503 and leaves the rotation;
 - `balance leastconn`: each request goes to the replica with the fewest outstanding requests, so a
   slow replica (a busier device, a larger batch) gets less, instead of a round-robin share;
-- `retry-on conn-failure` and `option redispatch 1`: a request is retried, on another replica, only
-  when the connection could not be made (no byte of it reached a replica), never after a replica
-  has seen it: a generation is not assumed to be safe to run twice;
+- `retry-on conn-failure empty-response` and `option redispatch 1`: a request is retried, on another
+  replica, when the connection could not be made or closed before any byte of an answer came back.
+  A completion has no side effects, so the retry costs compute, not correctness. It covers the
+  connection a draining replica's kernel completes between the replica's last accept and the
+  close of its listener (reset with the request unread: a 502 without it, one in 6,000 requests
+  of a rolling restart under load) and a replica that dies before answering. A stream that has
+  begun is never retried;
 - `option http-server-close`: one request per connection to a replica, so no request is ever sent
   on a kept-alive connection that a draining replica is closing (the classic lost request); a new
   connection to a replica that stopped listening is refused at once, and retried elsewhere;
@@ -35,7 +39,7 @@ defaults
     option http-no-delay
     option redispatch 1
     retries {retries}
-    retry-on conn-failure
+    retry-on conn-failure empty-response
     timeout connect {connect_timeout}
     timeout client {stream_timeout}
     timeout server {stream_timeout}
