@@ -60,9 +60,12 @@ def profile_forward(runner: ModelRunner, prompts: list[list[int]]) -> dict:
     device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
     launches = sum(e.count for e in events if "LaunchKernel" in e.key)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:8]
     return {"operators": sum(e.count for e in events if e.key.startswith("aten::")),
             "launches": launches, "device_ms": device_us / 1000.0,
-            "top_host": [(e.key, e.count, e.self_cpu_time_total / 1000.0) for e in top]}
+            "top_host": [(e.key, e.count, e.self_cpu_time_total / 1000.0) for e in top],
+            "top_device": [(e.key[:60], e.count, e.self_device_time_total / 1000.0) for e in kernels]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=320, help="tokens per prompt")
     parser.add_argument("--runs", type=int, default=20, help="timed forwards per batch size")
     parser.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0: all cores)")
+    parser.add_argument("--graph-max-tokens", type=lambda t: [int(x) for x in t.split(",")], default=[0],
+                        help="comma-separated: 0 = the plain forward, N = graphs of up to N rows "
+                             "(runtime/graphs.py; accelerators), each measured in turn")
     args = parser.parse_args(argv)
     try:
         model = servers.ensure_model(args.model)
@@ -89,17 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"{runner.config.model_type}, {runner.config.num_hidden_layers} layers, {runner.dtype}, "
               f"{binding.describe()}, {args.input_len} tokens a prompt")
-        print(f"{'batch':>5} {'wall ms p50':>12} {'min':>7} {'kernels ms':>11} {'launches':>9} {'aten ops':>9}")
+        print(f"{'graphs':>6} {'batch':>5} {'wall ms p50':>12} {'min':>7} {'kernels ms':>11} {'launches':>9} "
+              f"{'aten ops':>9}")
         tops = []
-        for size in args.batch_sizes:
-            prompts = [[rng.randrange(1000, high) for _ in range(args.input_len)] for _ in range(size)]
-            seconds = time_forwards(runner, prompts, args.runs)
-            prof = profile_forward(runner, prompts)
-            tops.append((size, prof["top_host"]))
-            print(f"{size:>5} {statistics.median(seconds) * 1e3:>12.2f} {min(seconds) * 1e3:>7.2f} "
-                  f"{prof['device_ms']:>11.2f} {prof['launches']:>9} {prof['operators']:>9}", flush=True)
+        prompt_sets = {size: [[rng.randrange(1000, high) for _ in range(args.input_len)] for _ in range(size)]
+                       for size in args.batch_sizes}
+        for graphs in args.graph_max_tokens:
+            runner._local.graphs = None
+            if graphs:
+                made = runner.capture_graphs(graphs)
+                if made is not None:
+                    print(f"graphs of up to {graphs} rows: {len(made.sizes)} sizes x {len(made.model.layers) + 1} "
+                          f"pieces captured in {made.capture_seconds:.1f} s", flush=True)
+            for size, prompts in prompt_sets.items():
+                seconds = time_forwards(runner, prompts, args.runs)
+                prof = profile_forward(runner, prompts)
+                tops.append((f"{size}, graphs {graphs}", prof["top_host"]))
+                if prof["top_device"]:
+                    tops.append((f"{size}, graphs {graphs}, kernels", prof["top_device"]))
+                print(f"{graphs:>6} {size:>5} {statistics.median(seconds) * 1e3:>12.2f} {min(seconds) * 1e3:>7.2f} "
+                      f"{prof['device_ms']:>11.2f} {prof['launches']:>9} {prof['operators']:>9}", flush=True)
         for size, top in tops:
-            print(f"batch {size}, most host time (operator, calls, self ms): "
+            print(f"batch {size}, most {'device' if 'kernels' in size else 'host'} time (name, calls, self ms): "
                   + "; ".join(f"{key} x{count} {ms:.2f}" for key, count, ms in top))
     finally:
         binding.exit()

@@ -199,7 +199,11 @@ def measure_streams(runner: ModelRunner, streams: int, args: argparse.Namespace,
     runner.set_kv_cache(None, streams)  # each slot's arena, as the server sizes it
     slots = start_slots(runner.device, streams)
     try:
-        extra = {"input_len": args.input_len, "output_len": args.output_len, "slot": describe_slot(slots[0])}
+        if args.graph_max_tokens and runner.device.type != "cpu":  # as the server does (Service._capture_graphs)
+            for slot in slots:
+                slot.call(lambda: runner.capture_graphs(args.graph_max_tokens))
+        extra = {"input_len": args.input_len, "output_len": args.output_len, "slot": describe_slot(slots[0]),
+                 "graph_max_tokens": args.graph_max_tokens}
         records = []
         if args.latency_runs:
             records.append(measure_latency(runner, slots, pool, args.output_len, args.latency_runs)
@@ -279,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds", type=float, default=2.0, help="time per (N, batch size) point")
     parser.add_argument("--batches", type=int, help="batches per point instead of --seconds")
     parser.add_argument("--latency-runs", type=int, default=30, help="single-request runs per N (0: none)")
+    parser.add_argument("--graph-max-tokens", type=int, default=8192,
+                        help="as server.py: on accelerators, graphs for forwards of up to this many rows; 0 = off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-file", help="append one JSON line per point")
     return parser

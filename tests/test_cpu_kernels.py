@@ -322,7 +322,7 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
     float32 = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
     # float32 takes them where their vector paths exist, and answers as its eager code does
-    assert float32.model.fused == cpu_kernels.wanted(torch.device("cpu"), torch.float32)
+    assert bool(float32.model.fused) == cpu_kernels.wanted(torch.device("cpu"), torch.float32)
     if float32.model.fused:
         with torch.inference_mode():
             a, _ = float32.prefill(prompts)

@@ -26,6 +26,7 @@ class Settings:
     dtype: str = "auto"
     engine: str = "auto"
     kv_cache_bytes: int | None = None
+    graph_max_tokens: int = 8192
     scheduler: str = "fixed_steps"
     concurrent_execute_stream_num: int = 2
     torch_threads: int = 0
@@ -145,6 +146,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
                "model code: native (ours: Llama, Qwen2, Qwen3) or transformers; auto = native where supported"),
     "kv_cache_bytes": (_optional(_bytes), "key/value cache of all slots together (e.g. 4G); unset = 20% of host "
                                           "memory on CPU, 50% of free device memory on accelerators"),
+    "graph_max_tokens": (_int_range(0), "CUDA and NPU: forwards of up to this many tokens replay graphs "
+                                        "captured at start-up (per slot, cut at attention); 0 = off"),
     "scheduler": (_choice("fixed_steps", "continuous"),
                   "fixed_steps (batches run to completion on N slots) or continuous"),
     "concurrent_execute_stream_num": (_int_range(1, 64),

@@ -83,6 +83,7 @@ class Service:
                      "(XLLM_CONCURRENT_EXECUTE_STREAM_NUM applies to fixed_steps)")
         self.slots = start_slots(self.runner.device, num_slots,
                                  settings.torch_threads, settings.slot_nice)
+        self._capture_graphs(settings.graph_max_tokens)
         warm_up = getattr(runner, "warm_up", None)
         if warm_up is not None and self.runner.device.type == "cpu":
             warm_up(settings.max_tokens_per_batch,
@@ -119,6 +120,23 @@ class Service:
             self.metrics.add(Gauge("process_resident_memory_bytes", "Resident memory of this process.",
                                    resident_memory_bytes))
         self.metrics.add(ProcessFigures())
+
+    def _capture_graphs(self, max_tokens: int) -> None:
+        """On accelerators, each slot captures its graphs on its own thread and stream, one slot
+        after another (a capture must not meet another thread's allocations)."""
+        capture = getattr(self.runner, "capture_graphs", None)
+        if capture is None or not max_tokens or self.runner.device.type == "cpu":
+            return
+        for slot in self.slots:
+            try:
+                graphs = slot.call(lambda: capture(max_tokens))
+            except Exception as exc:  # noqa: BLE001  (the plain forward serves: slower, never wrong)
+                log.warning("slot %d: no graphs, its forwards run eagerly: %s: %s", slot.index, type(exc).__name__, exc)
+                continue
+            if graphs is not None:
+                log.info("slot %d: %d graphs (%d row sizes up to %d, %d pieces each) captured in %.1f s", slot.index,
+                         len(graphs.sizes) * (len(graphs.model.layers) + 1), len(graphs.sizes), graphs.max_rows,
+                         len(graphs.model.layers) + 1, graphs.capture_seconds)
 
     async def start(self) -> None:
         s = self.settings

@@ -16,6 +16,9 @@ code says only what the model computes; the bookkeeping lives here.
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -109,6 +112,52 @@ def _equal_runs(values: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class _FlashVarlen:
+    """torch's variable-length flash attention (torch.nn.attention.varlen: CUDA, bfloat16 and
+    float16): a packed prefill's attention in one call, whatever its sequences' lengths, where
+    torch's SDPA took a call per run of equal lengths. Its arguments moved between torch releases
+    (is_causal became window_size, enable_gqa came later): read off its signature. Off for good,
+    with one warning, if a call fails: the SDPA calls serve as before."""
+
+    def __init__(self) -> None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            self.fn = None
+            return
+        params = inspect.signature(varlen_attn).parameters
+        self.fn = varlen_attn
+        self.extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        self.gqa = "enable_gqa" in params
+        self.scale = "scale" in params
+
+    def usable(self, q: torch.Tensor) -> bool:
+        return self.fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_lengths: torch.Tensor, longest: int,
+                 scale: float) -> torch.Tensor | None:
+        extra = dict(self.extra)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            if self.gqa:
+                extra["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.scale:
+            extra["scale"] = scale
+        elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+            return None  # (its own scale is 1/sqrt(dim), the Llama family's)
+        try:
+            return self.fn(q, k, v, cu_lengths, cu_lengths, longest, longest, **extra)
+        except Exception as exc:  # noqa: BLE001  (an older or partial build: fall back for good)
+            logging.getLogger("xllm_async.model").warning("varlen flash attention unusable, SDPA instead: %s", exc)
+            self.fn = None
+            return None
+
+
+_VARLEN = _FlashVarlen()
+
+
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Two partial attentions over disjoint keys -> attention over all of them."""
     lse = torch.logaddexp(lse_a, lse_b)
@@ -119,7 +168,7 @@ class PackedPrefill:
     """Prompts packed end to end: positions restart at 0 for every sequence."""
 
     __slots__ = ("lengths", "groups", "positions", "last", "cache", "first_row", "last_only", "scoring",
-                 "last_kept")
+                 "last_kept", "cu_lengths")
 
     def __init__(self, lengths: list[int], device: torch.device, cache: SlabCache | None = None,
                  first_row: int = 0, whole: list[bool] | None = None) -> None:
@@ -132,6 +181,8 @@ class PackedPrefill:
             start += count * n
         self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
         ends = torch.tensor(lengths).cumsum(0)
+        # Where each sequence starts among the rows, for the flash kernel (accelerators only).
+        self.cu_lengths = None if device.type == "cpu" else F.pad(ends, (1, 0)).to(device, torch.int32)
         self.last = (ends - 1).to(device)  # each sequence's last token in the packed rows
         self.last_kept = None  # where each last token is among the rows kept (None: they are all the rows)
         # Scoring (whole[i]: every position of sequence i needs its logits, for prompt logprobs): the
@@ -157,6 +208,10 @@ class PackedPrefill:
         self._store(layer, k, v)
         if kernel is not None and q.dtype in _KERNEL_DTYPES and q.device.type == "cpu" and _kernel_width(dim):
             return kernel(q, k, v, self.lengths, scale, self.last_only).view(-1, heads * dim)
+        if _VARLEN.usable(q):  # (the keys just computed are all a prompt attends to, cached or not)
+            out = _VARLEN(q, k, v, self.cu_lengths, max(self.lengths), scale)
+            if out is not None:
+                return (out[self.last] if self.last_only else out).reshape(-1, heads * dim)
         outs = []
         row = self.first_row
         for start, count, length in self.groups:
@@ -194,10 +249,15 @@ class PackedPrefill:
             row += count
 
 
+def _one_masked_call(q: torch.Tensor) -> bool:
+    """Whether a decode step's attention runs as one masked call (Decode.attend): on accelerators."""
+    return q.device.type != "cpu"
+
+
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
-    __slots__ = ("cache", "positions", "rows", "runs", "reads", "slots")
+    __slots__ = ("cache", "positions", "rows", "runs", "reads", "slots", "mask")
 
     def __init__(self, cache: SlabCache) -> None:
         self.cache = cache
@@ -205,6 +265,7 @@ class Decode:
         self.positions = cache.lengths[:self.rows].clone()
         self.reads = self.positions + 1  # keys each row reads, its new one included
         self.runs = None  # for torch's kernel only, found at its first layer (_runs)
+        self.mask = None  # on accelerators, which keys each row reads, made at the first layer (_masked)
         # Where each (row, key head)'s new key goes in a layer's slabs seen as [tokens, dim]: found
         # once for every layer. One index_copy_ a layer took 3.5-7 us against 5.7-11 us for the
         # advanced-indexing write with its arange (1-64 rows, perf/RESULTS.md, fourteenth session).
@@ -229,6 +290,17 @@ class Decode:
         # matrix of queries against it. torch's fused CPU kernel, not matmul-softmax-matmul: a
         # SmolLM2 step's attention (1 row, 3 x 3 heads, 256 keys, bfloat16) 117 -> 28 us a layer.
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
+        if _one_masked_call(q):
+            # On an accelerator every row in one call over the longest row's keys, the rest masked:
+            # _runs would read the lengths back from the device (a wait at every step) and make a
+            # call per run. (Sums then depend on the batch's longest row; on these devices they
+            # depend on the batch's shape anyway, through the kernels' own choices.)
+            span = self.cache.max_length + 1
+            if self.mask is None:
+                self.mask = (torch.arange(span, device=q.device) < self.reads[:, None]).view(rows, 1, 1, span)
+            out = F.scaled_dot_product_attention(qg, keys[:rows, :, :span], values[:rows, :, :span],
+                                                 attn_mask=self.mask, scale=scale)
+            return out.reshape(rows, heads * dim)
         outs = [F.scaled_dot_product_attention(qg[first:first + count], keys[first:first + count, :, :span],
                                                values[first:first + count, :, :span], scale=scale)
                 for first, count, span in self._runs()]

@@ -194,7 +194,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 as transformers does, so that
     bfloat16 models round the same way as the reference."""
 
-    fused = False  # set by llama.use_fused_kernels: one pass of our CPU kernel (cpu_kernels.py)
+    fused = None  # set by llama.use_fused_kernels: the kernels' namespace (one pass of our CPU or GPU kernel)
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -203,7 +203,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return torch.ops.xllm.rms_norm(x, self.weight, self.eps)
+            return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
@@ -272,7 +272,7 @@ _CHUNK_ROW_STEP = 256  # chunks are whole multiples of it, and never fewer rows
 class GatedMlp(nn.Module):
     """SwiGLU with gate and up projections fused into one matrix."""
 
-    fused = False  # set by llama.use_fused_kernels
+    fused = None  # set by llama.use_fused_kernels
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
@@ -280,8 +280,10 @@ class GatedMlp(nn.Module):
         self.down = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:  # (on CPU: our kernels)
+        if self.fused:
             rows = x.shape[0]
+            if x.device.type != "cpu":  # (the chunks are for a CPU core's cache)
+                return self._fused(x)
             # (a decode step's few rows never chunk: no arithmetic for them, per layer per token)
             chunk = self.chunk_rows(x.element_size()) if rows > _CHUNK_ROW_STEP else rows
             if rows <= chunk:
@@ -299,4 +301,4 @@ class GatedMlp(nn.Module):
         return min(max(rows, _CHUNK_ROW_STEP), 2048)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.ops.xllm.silu_mul(self.gate_up(x)))
+        return self.down(self.fused.silu_mul(self.gate_up(x)))

@@ -72,7 +72,7 @@ def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
 
 
 class Attention(nn.Module):
-    fused = False  # set by use_fused_kernels: q/k norm and rotary in one kernel each
+    fused = None  # set by use_fused_kernels: q/k norm and rotary in one kernel each
 
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
@@ -86,19 +86,26 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden rows -> q [rows, heads, dim], k, v [rows, kv_heads, dim], rotated."""
         rows = cos.shape[0]  # the batch's tokens: x may carry padding rows after them (CausalLM.forward)
         q, k, v = self.qkv(x)[:rows].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.fused:
-            q = torch.ops.xllm.rope(q, cos, sin, *_norm_args(self.q_norm))
-            k = torch.ops.xllm.rope(k, cos, sin, *_norm_args(self.k_norm))
+            q = self.fused.rope(q, cos, sin, *_norm_args(self.q_norm))
+            k = self.fused.rope(k, cos, sin, *_norm_args(self.k_norm))
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        rows = cos.shape[0]
         out = ctx.attend(self.layer, q, k, v, self.scale)
         if x.shape[0] > rows and not getattr(ctx, "last_only", False):
             out = F.pad(out, (0, 0, 0, x.shape[0] - rows))  # the padding rows again, as zeros
@@ -106,7 +113,7 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    fused = False  # set by use_fused_kernels: the residual add and the norm after it in one pass
+    fused = None  # set by use_fused_kernels: the residual add and the norm after it in one pass
 
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
@@ -121,8 +128,12 @@ class DecoderLayer(nn.Module):
             x = x[keep]
             if not ctx.last_only:  # scoring: attention ran for every row, the kept ones go on
                 attn = attn[keep]
+        return self.add_mlp(x, attn)
+
+    def add_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: the residual add, the norm, the MLP and its residual add."""
         if self.fused:
-            x, normed = torch.ops.xllm.add_rms_norm(attn, x, self.post_attention_norm.weight,
+            x, normed = self.fused.add_rms_norm(attn, x, self.post_attention_norm.weight,
                                                     self.post_attention_norm.eps)
             return x + self.mlp(normed)
         x = x + attn
@@ -145,7 +156,7 @@ class CausalLM(nn.Module):
         # tied embedding read the plain one.
         self.packed_lm_head: PackedWeight | None = None
         self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
-        self.fused = False  # set by use_fused_kernels
+        self.fused = None  # set by use_fused_kernels
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
         """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
@@ -193,10 +204,12 @@ class CausalLM(nn.Module):
         return logits.float() if as_float else logits
 
 
-def use_fused_kernels(model: nn.Module) -> None:
-    """Switch the elementwise steps to our fused CPU kernels, bfloat16 or float32 (cpu_kernels.py;
-    the caller checks that they loaded and take the model's dtype): every norm, q/k norm + rotary,
-    residual add + norm, SiLU x up."""
+def use_fused_kernels(model: nn.Module, ops=None) -> None:
+    """Switch the elementwise steps to fused kernels: every norm, q/k norm + rotary, residual add +
+    norm, SiLU x up. ops: their namespace, our CPU kernels' (torch.ops.xllm, the default:
+    cpu_kernels.py, bfloat16 or float32) or our GPU kernels' (gpu_kernels.OPS); the caller checks
+    that they loaded and take the model's dtype."""
+    ops = ops if ops is not None else torch.ops.xllm
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMlp, CausalLM)):
-            module.fused = True
+            module.fused = ops

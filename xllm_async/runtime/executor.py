@@ -44,6 +44,26 @@ class ExecutionSlot:
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run fn on this slot's thread (its stream, its thread-local state) and return what it
+        returns, or raise what it raised. Blocks: for start-up, before any batch runs."""
+        done = threading.Event()
+        result: list = [None, None]
+
+        def job() -> None:
+            try:
+                result[0] = fn()
+            except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+                result[1] = exc
+            finally:
+                done.set()
+
+        self.submit(job)
+        done.wait()
+        if result[1] is not None:
+            raise result[1]
+        return result[0]
+
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)

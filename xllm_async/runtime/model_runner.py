@@ -21,13 +21,14 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..engine.sampling import score_prompt  # (a leaf module: tensors in, numbers out)
-from ..model import cpu_kernels
+from ..model import cpu_kernels, gpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
 from ..model.layers import WARM_FROM, linear_packing, pack_linears, warm_onednn
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
-from .device import default_kv_cache_bytes, fast_cpu_dtype
+from .device import default_kv_cache_bytes, fast_cpu_dtype, graph_capture
+from .graphs import PiecewiseGraphs
 from .host_memory import one_intra_op_thread, pack_weights
 
 log = logging.getLogger("xllm_async.model")
@@ -87,6 +88,9 @@ class ModelRunner:
             if cpu_kernels.wanted(device, self.dtype):
                 use_fused_kernels(self.model)
                 log.info("norms, rotary and SiLU on our fused %s CPU kernels", str(self.dtype).removeprefix("torch."))
+            elif gpu_kernels.wanted(device, self.dtype):
+                use_fused_kernels(self.model, gpu_kernels.OPS)
+                log.info("norms, rotary and SiLU on our fused Triton kernels")
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
         self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
         shape = self.model.shape
@@ -132,6 +136,29 @@ class ModelRunner:
             arena = self._local.arena = KvArena(self.kv_layout, self.kv_tokens, self.device)
         return arena
 
+    def capture_graphs(self, max_rows: int, capture=None) -> PiecewiseGraphs | None:
+        """On an execution slot's thread, at start-up: capture the pieces of the forward for
+        batches of up to max_rows tokens (runtime/graphs.py); this thread's forwards of that
+        size replay them from then on. capture: the device's (graph_capture), or a stand-in
+        (tests run the pieces as they are). None where the device has no graphs."""
+        capture = capture or graph_capture(self.device)
+        if capture is None or max_rows < 1:
+            return None
+        graphs = PiecewiseGraphs(self.model, self.device, max_rows)
+        graphs.capture(capture)
+        self._local.graphs = graphs
+        return graphs
+
+    def _forward(self, tokens: list[int], ctx) -> torch.Tensor:
+        """The model's forward, from this thread's graphs where it has some of that size: the final
+        hidden states of the rows that need logits (ctx.last's, where it has one)."""
+        graphs = getattr(self._local, "graphs", None)
+        if graphs is None or len(tokens) > graphs.max_rows:
+            return self.model(self._ids(tokens), ctx)
+        hidden = graphs.forward(torch.tensor(tokens, dtype=torch.long), ctx)
+        last = getattr(ctx, "last", None)
+        return hidden if last is None else hidden[last]
+
     def _ids(self, tokens) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long).to(self.device)
 
@@ -171,12 +198,12 @@ class ModelRunner:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
         ctx = PackedPrefill(lengths, self.device, cache, first, whole)
-        return self.model(self._ids(list(itertools.chain.from_iterable(prompts))), ctx), cache, ctx
+        return self._forward(list(itertools.chain.from_iterable(prompts)), ctx), cache, ctx
 
     def decode(self, kv: SlabCache, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
         kv.ensure_room()
-        hidden = self.model(self._ids(tokens), Decode(kv))
+        hidden = self._forward(tokens, Decode(kv))
         kv.step()
         return self.model.logits(hidden)
 
@@ -190,8 +217,7 @@ class ModelRunner:
         if rounds > 1:
             cache = SlabCache(self._arena(), len(prompts), max(lengths))
             cache.add_rows(lengths, max(lengths))
-        hidden = self.model(self._ids(list(itertools.chain.from_iterable(prompts))),
-                            PackedPrefill(lengths, self.device, cache))
+        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache))
         return hidden, BeamState(cache, lengths, sum(widths), rounds, self.kv_layout, self.device)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
@@ -199,7 +225,7 @@ class ModelRunner:
         parents[i]: the row of the last round that beam i continues; widths: live beams per request."""
         state.follow(parents, widths)
         ctx = BeamDecode(state.prompts, state.lengths, state.starts, state.own, state.step, self.device)
-        hidden = self.model(self._ids(tokens), ctx)
+        hidden = self._forward(tokens, ctx)  # (from graphs: a view, valid until this thread's next forward)
         state.step += 1
         return hidden
 
