@@ -53,11 +53,6 @@ def runners(tiny_model_dir, slot):
     return plain, graphed
 
 
-def on(slot, fn):
-    """fn() on the slot's thread, under inference mode as slots run."""
-    return slot.call(fn)
-
-
 def test_buckets_cover_every_row_count_with_little_padding():
     for top in (1, 5, 16, 100, 256, 320, 2048, 8192):
         sizes = buckets(top)
@@ -85,7 +80,7 @@ def test_graphed_prefill_and_decode_equal_the_plain_forward(runners, slot):
 
     with torch.inference_mode():
         expected = steps(plain)
-    for found, wanted in zip(on(slot, lambda: steps(graphed)), expected):
+    for found, wanted in zip(slot.call(lambda: steps(graphed)), expected):
         torch.testing.assert_close(found, wanted, **TOLERANCE)
 
 
@@ -101,7 +96,7 @@ def test_graphed_one_token_prefill_and_scoring_equal_the_plain_forward(runners, 
 
     with torch.inference_mode():
         expected = run(plain)
-    found = on(slot, lambda: run(graphed))
+    found = slot.call(lambda: run(graphed))
     torch.testing.assert_close(found[0], expected[0], **TOLERANCE)
     torch.testing.assert_close(found[1], expected[1], **TOLERANCE)
     for mine, theirs in zip(found[2], expected[2]):
@@ -116,7 +111,7 @@ def test_graphed_beams_equal_plain_beams(runners, slot):
     widths, rounds = [8, 16, 3, 5], [3, 2, 4, 1]
     with torch.inference_mode():
         expected = run_beams(plain, prompts, widths, rounds, digits=None)
-    assert_same_beams(on(slot, lambda: run_beams(graphed, prompts, widths, rounds, digits=None)), expected)
+    assert_same_beams(slot.call(lambda: run_beams(graphed, prompts, widths, rounds, digits=None)), expected)
 
 
 def test_a_batch_beyond_the_largest_bucket_runs_the_plain_forward(runners, slot, monkeypatch):
@@ -126,7 +121,7 @@ def test_a_batch_beyond_the_largest_bucket_runs_the_plain_forward(runners, slot,
         expected, _ = plain.prefill(prompts)
     replays = []
     monkeypatch.setattr(PiecewiseGraphs, "forward", lambda *a: replays.append(a))
-    found, _ = on(slot, lambda: graphed.prefill(prompts))
+    found, _ = slot.call(lambda: graphed.prefill(prompts))
     assert not replays
     torch.testing.assert_close(found.cpu(), expected.cpu(), **TOLERANCE)
 

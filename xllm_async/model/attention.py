@@ -265,7 +265,7 @@ class Decode:
         self.positions = cache.lengths[:self.rows].clone()
         self.reads = self.positions + 1  # keys each row reads, its new one included
         self.runs = None  # for torch's kernel only, found at its first layer (_runs)
-        self.mask = None  # on accelerators, which keys each row reads, made at the first layer (_masked)
+        self.mask = None  # on accelerators, which keys each row reads, made at the first layer (attend)
         # Where each (row, key head)'s new key goes in a layer's slabs seen as [tokens, dim]: found
         # once for every layer. One index_copy_ a layer took 3.5-7 us against 5.7-11 us for the
         # advanced-indexing write with its arange (1-64 rows, perf/RESULTS.md, fourteenth session).

@@ -19,8 +19,8 @@ prompts of 320 tokens spent 52.7 ms in kernels, of which ~13 ms are matrix produ
   eager `x * cos + rotate_half(x) * sin` rounds them;
 - silu_mul(gate_up) -> silu(gate) * up over the two halves of the fused projection.
 
-Triton is imported lazily: the module imports on machines without it, and `available()` says
-whether the kernels compiled and computed right here (checked once against the eager code).
+Triton is imported lazily: the module imports on machines without it, and `check()` says
+whether the kernels compiled and computed right here (once, against the eager code).
 Tests run the kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 

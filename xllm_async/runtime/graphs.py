@@ -20,13 +20,11 @@ slot shares one memory pool: a slot runs one forward at a time, on its one strea
 
 from __future__ import annotations
 
-import logging
+import bisect
 import time
 from collections.abc import Callable
 
 import torch
-
-log = logging.getLogger("xllm_async.graphs")
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]  # a piece -> its replay
 
@@ -77,10 +75,8 @@ class PiecewiseGraphs:
 
     def bucket(self, rows: int) -> int | None:
         """The smallest bucket of at least `rows` rows (None: beyond the largest)."""
-        for size in self.sizes:
-            if size >= rows:
-                return size
-        return None
+        at = bisect.bisect_left(self.sizes, rows)
+        return self.sizes[at] if at < len(self.sizes) else None
 
     def capture(self, capture: Capture) -> None:
         """Run every piece of every bucket once (kernels pick their algorithms and workspaces

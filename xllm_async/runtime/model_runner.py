@@ -139,8 +139,10 @@ class ModelRunner:
     def capture_graphs(self, max_rows: int, capture=None) -> PiecewiseGraphs | None:
         """On an execution slot's thread, at start-up: capture the pieces of the forward for
         batches of up to max_rows tokens (runtime/graphs.py); this thread's forwards of that
-        size replay them from then on. capture: the device's (graph_capture), or a stand-in
-        (tests run the pieces as they are). None where the device has no graphs."""
+        size replay them from then on (max_rows 0: none, any this thread had are dropped).
+        capture: the device's (graph_capture), or a stand-in (tests run the pieces as they are).
+        None where the device has no graphs."""
+        self._local.graphs = None
         capture = capture or graph_capture(self.device)
         if capture is None or max_rows < 1:
             return None
