@@ -92,7 +92,7 @@ class HttpProtocol(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._client = ""
-        self._pipeline: deque = deque()  # HttpRequest or ApiError, waiting their turn
+        self._pipeline: deque = deque()  # HttpRequest or Refusal, waiting their turn
         self._current: Responder | None = None
         self._task: asyncio.Task | None = None
         self._reading_paused = False
@@ -370,13 +370,17 @@ class HttpProtocol(asyncio.Protocol):
     def _fail(self, error: ApiError) -> None:
         """A request we cannot parse: answer it in its turn, then close."""
         self._stop_reading = True
-        self._enqueue(error)
+        # An answer to HEAD has no content, even an error's (RFC 9110 §9.3.2): a client reading it
+        # by its Content-Length would take the content for the next response. (llhttp reports
+        # the method once its token is read; before that, it says none is HEAD.)
+        self._enqueue(Refusal(error, self._receiving and self._parser.get_method() == b"HEAD"))
 
     def _start(self, entry) -> None:
-        if isinstance(entry, ApiError):
+        if isinstance(entry, Refusal):
+            error = entry.error
             self._request = None
-            self._current = Responder(self, keep_alive=False, http11=True)
-            self._current.send(entry.status, entry.body(), headers=entry.headers)
+            self._current = (HeadResponder if entry.head else Responder)(self, keep_alive=False, http11=True)
+            self._current.send(error.status, error.body(), headers=error.headers)
             return
         last = self._stop_reading and not self._pipeline  # reading stopped, nothing after it
         responder = (Responder if entry.method != "HEAD" else HeadResponder)(
@@ -471,6 +475,16 @@ class HttpProtocol(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self._transport.close()
+
+
+class Refusal:
+    """The answer to a request that could not be parsed, waiting its turn."""
+
+    __slots__ = ("error", "head")
+
+    def __init__(self, error: ApiError, head: bool) -> None:
+        self.error = error
+        self.head = head  # the request was a HEAD: the answer has no content
 
 
 class StopParsing(Exception):
