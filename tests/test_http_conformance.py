@@ -245,6 +245,15 @@ def test_a_refused_head_gets_headers_only(server, data):
     assert content == b""
 
 
+def test_the_refusal_of_garbage_after_a_head_has_its_content(server):
+    # (found by tests/test_fuzz.py: llhttp still named the HEAD's method while refusing what followed)
+    raw = exchange(server.port, b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n{\"prompt\": [1]}")
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    (status, body), = split_responses(rest)
+    assert status == 400 and orjson.loads(body)["error"]["code"] == 400
+
+
 def test_every_answer_carries_a_date(server):
     for data in (b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n",
                  b"GET /health HTTP/1.1\r\n\r\n"):

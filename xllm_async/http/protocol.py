@@ -377,9 +377,10 @@ class HttpProtocol(asyncio.Protocol):
         """A request we cannot parse: answer it in its turn, then close."""
         self._stop_reading = True
         # An answer to HEAD has no content, even an error's (RFC 9110 §9.3.2): a client reading it
-        # by its Content-Length would take the content for the next response. (llhttp reports
-        # the method once its token is read; before that, it says none is HEAD.)
-        self._enqueue(Refusal(error, self._receiving and self._parser.get_method() == b"HEAD"))
+        # by its Content-Length would take the content for the next response. llhttp's method is
+        # this request's once its target has begun (before that, it is the previous request's).
+        head = self._receiving and bool(self._url) and self._parser.get_method() == b"HEAD"
+        self._enqueue(Refusal(error, head))
 
     def _start(self, entry) -> None:
         if isinstance(entry, Refusal):
