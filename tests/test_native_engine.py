@@ -4,6 +4,7 @@ leaving, and beams that share their prompt's cache against beams that copy it.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,8 +105,8 @@ def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
 
 
 def run_beams(runner, prompts, widths, rounds, trie=None, digits: int | None = 3):
-    requests = [BeamRequest(i, p, w, r, None) for i, (p, w, r) in enumerate(zip(prompts, widths, rounds))]
-    batch = BeamSearchBatch(runner, requests, trie=trie)
+    requests = [BeamRequest(i, p, w, r, None, trie) for i, (p, w, r) in enumerate(zip(prompts, widths, rounds))]
+    batch = BeamSearchBatch(runner, requests)
     results = {}
     with torch.inference_mode():
         items = batch.prefill()
@@ -171,7 +172,7 @@ def test_item_constrained_beams_agree_on_both_engines(native, copied):
 
     from .test_beam_search import ITEMS
 
-    trie = ItemTrie(ITEMS, torch.device("cpu"))
+    trie = ItemTrie.of(ITEMS, torch.device("cpu"))
     prompts = random_prompts(15, [20, 33])
     found = run_beams(native, prompts, [16, 8], [3, 3], trie, digits=None)
     assert_same_beams(found, run_beams(copied, prompts, [16, 8], [3, 3], trie, digits=None))
@@ -180,14 +181,23 @@ def test_item_constrained_beams_agree_on_both_engines(native, copied):
 
 
 def test_item_trie_rejects_mixed_lengths_and_masks_by_prefix():
-    from xllm_async.engine.item_trie import ItemTrie
+    from xllm_async.engine.item_trie import ItemTrie, LeafFilter
 
     with pytest.raises(ValueError):
-        ItemTrie([(1, 2), (3,)], torch.device("cpu"))
-    trie = ItemTrie([(1, 2), (1, 3), (4, 2)], torch.device("cpu"))
-    assert trie.vocab[0].tolist() == [1, 4] and trie.vocab[1].tolist() == [2, 3]
-    one, four = trie.step(0, 1), trie.step(0, 4)
-    assert trie.allowed(1, [one, four]).tolist() == [[True, True], [True, False]]
+        ItemTrie.of([(1, 2), (3,)], torch.device("cpu"))
+    trie = ItemTrie.of([(4, 2), (1, 3), (1, 2), (1, 2)], torch.device("cpu"))
+    assert trie.leaves == 3 and trie.vocab[0].tolist() == [1, 4] and trie.vocab[1].tolist() == [2, 3]
+    root = trie.expand(0, np.array([0]))
+    assert root.mask.tolist() == [[True, True]] and root.counts.tolist() == [2]
+    one, four = root.child[0, 0], root.child[0, 1]
+    second = trie.expand(1, np.array([one, four]))
+    assert second.mask.tolist() == [[True, True], [True, False]] and second.counts.tolist() == [2, 1]
+    assert [second.child[0, 0], second.child[0, 1], second.child[1, 0]] == [0, 1, 2]  # the leaves, sorted
+    # A filter removes a node once none of its leaves is left: (1, 2) and (1, 3) gone leave 1 no child.
+    gone = trie.expand(0, np.array([0]), LeafFilter(drop=np.array([0, 1])))
+    assert gone.mask.tolist() == [[False, True]] and gone.counts.tolist() == [1]
+    only = trie.expand(1, np.array([one]), LeafFilter(keep=np.array([1])))
+    assert only.mask.tolist() == [[False, True]]
 
 
 def test_budget_counts_packed_tokens_a_beam_prompt_once_and_the_cache_rectangle():
@@ -301,7 +311,7 @@ def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(nati
     from .test_beam_search import ITEMS
 
     items = ITEMS if table == "mixed" else list({key[:2]: key for key in ITEMS}.values())
-    trie = ItemTrie(items, torch.device("cpu"))
+    trie = ItemTrie.of(items, torch.device("cpu"))
     prompts = random_prompts(18, [20, 33, 9])
     widths = [16, 8, 1]
     fed = []
@@ -310,7 +320,7 @@ def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(nati
                         feed(state, tokens, *rest))
     skipping = run_beams(native, prompts, widths, [3, 3, 3], trie)
     rounds_skipping = list(fed)
-    monkeypatch.setattr(BeamSearchBatch, "_forced", lambda self: None)
+    monkeypatch.setattr(BeamSearchBatch, "_forced", lambda self, expansions: None)
     assert run_beams(native, prompts, widths, [3, 3, 3], trie) == skipping
     assert fed[len(rounds_skipping):] == [25, 25]  # every beam fed in both rounds
     if table == "mixed":

@@ -9,7 +9,7 @@ import orjson
 
 from ..engine.sampling import SamplingParams
 from ..errors import ApiError
-from .fields import Fields, bad
+from .fields import Fields, bad, is_int
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -71,7 +71,7 @@ class GenerationSpec:
     """One validated request: its prompts (token ids), parameters and output options."""
 
     __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
-                 "num_return_sequences", "scoring")
+                 "num_return_sequences", "scoring", "allowed_items", "excluded_items")
 
     def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
                  num_return_sequences=1) -> None:
@@ -85,6 +85,9 @@ class GenerationSpec:
         self.beam_width: int | None = beam_width  # set: a beam search (params.max_tokens = its rounds)
         self.num_return_sequences: int = num_return_sequences
         self.scoring: Scoring | None = None  # completions that echo or score their prompts
+        # A beam search's filters of the item table (item ids as sent; the route resolves them).
+        self.allowed_items: list[str] | None = None
+        self.excluded_items: list[str] | None = None
 
 
 class Scoring:
@@ -215,12 +218,34 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     include_usage = stream and options.bool("include_usage", False)
     n = fields.int("n", 1, 1, model.max_n)
     if beam_width is None:
+        for name in ITEM_FILTERS:
+            if fields.raw(name) is not None:
+                raise bad(name, f"`{name}` applies to a beam search over the item table: give `beam_width` too")
         return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
     _check_beam_fields(fields, params)
     num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
     if n != 1:
         raise bad("n", "`n` must be 1 with `beam_width`; ask for `num_return_sequences` instead")
-    return GenerationSpec(prompts, params, 1, stream, include_usage, chat, logprobs, beam_width, num_return)
+    spec = GenerationSpec(prompts, params, 1, stream, include_usage, chat, logprobs, beam_width, num_return)
+    spec.allowed_items, spec.excluded_items = (_item_ids(fields, name, model) for name in ITEM_FILTERS)
+    return spec
+
+
+ITEM_FILTERS = ("allowed_item_ids", "exclude_item_ids")
+
+
+def _item_ids(fields: Fields, name: str, model: ModelInfo) -> list[str] | None:
+    """An item filter's ids as strings (numbers are taken for the ids they spell), or None."""
+    value = fields.raw(name)
+    if value is None:
+        return None
+    if not model.beam.item_length:
+        raise bad(name, f"`{name}` filters the item table, and this server has none (XLLM_ITEM_TABLE)")
+    if not isinstance(value, list) or not all(isinstance(v, str) or is_int(v) for v in value):
+        raise bad(name, f"`{name}` must be a list of item ids (strings or integers)")
+    if name == "allowed_item_ids" and not value:
+        raise bad(name, "`allowed_item_ids` must name at least one item")
+    return [v if isinstance(v, str) else str(v) for v in value]
 
 
 def _beam_width(fields: Fields, model: ModelInfo) -> int | None:

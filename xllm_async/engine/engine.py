@@ -25,8 +25,7 @@ class TooManySequences(ValueError):
 
 class Engine:
     def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
-                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0,
-                 trie=None) -> None:
+                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
         self.runner = runner
         self.slots = slots
         self.max_queued_requests = max_queued_requests
@@ -40,7 +39,7 @@ class Engine:
             self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)
         else:
             self.scheduler = FixedStepsBatcher(runner, slots, budget, self._deliver_threadsafe, self._loop,
-                                               self.metrics, trie)
+                                               self.metrics)
         self.metrics.add(Gauge("num_requests_waiting", "Sequences waiting for a batch.",
                                lambda: self.scheduler.num_waiting))
         self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",
