@@ -384,3 +384,33 @@ def test_dashboard_queries_only_exported_metrics(server):
             "xllm:slot_busy_seconds_total"} <= queried
     families = {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for n in queried - samples}
     assert families <= not_yet_in_the_source(EXPECTED_FROM_BEAM_ENGINE), f"queried, not exported: {families}"
+
+
+def test_replicas_reload_signals_every_replica(tmp_path):
+    """deploy/replicas.sh reload sends SIGHUP to each replica it started (stand-ins that record it)."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    stand_in = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGHUP, lambda *_: (open(sys.argv[1], 'w').write('hup'), sys.exit(0)))\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(120)\n")
+    procs = []
+    for i in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", stand_in, str(tmp_path / f"hup-{i}")], stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"  # its handler is in place
+        (tmp_path / f"replica-{i}.pid").write_text(str(proc.pid))
+        procs.append(proc)
+    try:
+        result = subprocess.run(["bash", os.path.join(ROOT, "deploy", "replicas.sh"), "reload"], capture_output=True,
+                                text=True, env={**os.environ, "RUN_DIR": str(tmp_path)}, timeout=60)
+        assert result.returncode == 0, result.stderr
+        for proc in procs:
+            assert proc.wait(60) == 0
+        assert [(tmp_path / f"hup-{i}").read_text() for i in range(2)] == ["hup", "hup"]
+    finally:
+        for proc in procs:
+            proc.kill()

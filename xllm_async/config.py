@@ -174,7 +174,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "max_num_return_sequences": (_int_range(1, 1024), "largest `num_return_sequences` of a beam request"),
     "beam_max_tokens": (_int_range(1), "rounds (item id length) of a beam request that sends no `max_tokens`"),
     "item_table": (_optional(_text), "file of `<item id><TAB><token ids>` lines, all of one length; beam searches then "
-                                      "return only items, each choice with its `item_id`"),
+                                      "return only items, each choice with its `item_id` and `item_ids`; SIGHUP "
+                                      "reloads it"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),
