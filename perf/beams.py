@@ -480,7 +480,8 @@ def make_setup(args: argparse.Namespace) -> Setup:
     tokenizer = bench.load_tokenizer(model)
     table_path, items = write_table(args, tokenizer)
     widest = max([*args.widths, args.throughput_width, *([args.widest_width] if args.widest else [])])
-    longest = max(args.prompt_tokens, args.widest_prompt_tokens if args.widest else 0) + args.rounds
+    rounds = max([args.rounds, *(codebooks for _, codebooks, _ in args.catalogues)])
+    longest = max(args.prompt_tokens, args.widest_prompt_tokens if args.widest else 0) + rounds
     server_args = [*([f"@{args.checkout}"] if args.checkout else []), "--dtype", args.dtype,
                    "--scheduler", "fixed_steps", "--concurrent-execute-stream-num", str(args.ours_streams),
                    "--max-beam-width", str(widest), "--max-num-return-sequences", str(widest),
