@@ -30,6 +30,8 @@ BAD_COMPLETIONS = [
     ({**GOOD, "n": 0}, "n"),
     ({**GOOD, "n": 100000}, "n"),
     ({**GOOD, "seed": 1.5}, "seed"),
+    ({**GOOD, "seed": 2**64}, "seed"),  # past every 64-bit integer
+    ({**GOOD, "seed": -2**63 - 1}, "seed"),
     ({**GOOD, "stop": 5}, "stop"),
     ({**GOOD, "stop": [""]}, "stop"),
     ({**GOOD, "stop_token_ids": [-1]}, "stop_token_ids"),

@@ -7,7 +7,7 @@ import inspect
 
 import orjson
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
 from .fields import Fields, bad
 
@@ -198,7 +198,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         top_p=fields.float("top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(top_k, 0),  # -1 and 0 both mean "off", as in vLLM
         min_p=fields.float("min_p", 0.0, 0.0, 1.0),
-        seed=fields.int("seed", None),
+        seed=fields.int("seed", None, MIN_SEED, MAX_SEED),
         stop=fields.str_list("stop", MAX_STOP_STRINGS),
         stop_token_ids=frozenset(fields.int_list("stop_token_ids", 0, model.vocab_size - 1)),
         ignore_eos=fields.bool("ignore_eos", False),

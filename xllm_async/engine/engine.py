@@ -60,6 +60,8 @@ class Engine:
                                    f"{self.max_queued_requests} may wait at once (XLLM_MAX_QUEUED_REQUESTS)")
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
+        for req in requests:  # (raises here, for this caller alone, not inside a batch it would share)
+            req.prepare(self.runner)
         self.unfinished.update(requests)
         self.scheduler.add(requests)
         if self.queue_timeout:

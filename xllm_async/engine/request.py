@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from .detokenizer import IncrementalDetokenizer
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import SamplingParams, TokenLogprobs, make_generator
 
 
 class Delta:
@@ -50,6 +50,10 @@ class QueuedRequest:
         self.finish_reason = "error"
         return Delta(self.index, "", None, None, "error", message)
 
+    def prepare(self, runner) -> None:
+        """Build what stepping it needs from its own fields, before it joins a batch
+        (Engine.submit): whatever they make fail fails this request alone, never a batch."""
+
 
 class EngineRequest(QueuedRequest):
     """A prompt, its sampling parameters and its generation state."""
@@ -85,6 +89,11 @@ class EngineRequest(QueuedRequest):
         """Tokens its cache row may reach (0: a single token needs no cache). The API
         keeps prompt + max_tokens within the model's length."""
         return len(self.prompt_ids) + self.params.max_tokens if self.params.max_tokens > 1 else 0
+
+    def prepare(self, runner) -> None:
+        """Its detokenizer and its own random generator (seeded from its `seed`)."""
+        self.bind(runner.tokenizer, runner.eos_token_ids, runner.max_model_len)
+        self.generator = make_generator(self.params, runner.device, self.index)
 
     def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         """Attach what stepping needs from the model (once, before the first step)."""
