@@ -54,6 +54,12 @@ class Service:
             self.items = ItemTable.load(settings.item_table) if settings.item_table else None
         except ItemTableError as exc:
             raise ConfigError(f"invalid XLLM_ITEM_TABLE: {exc}") from None
+        # The rounds a beam request runs when it sends no max_tokens must be within the limit.
+        default_rounds = self.items.item_length if self.items else settings.beam_max_tokens
+        if default_rounds > settings.max_beam_rounds:
+            what = "the item table's item length" if self.items else "XLLM_BEAM_MAX_TOKENS"
+            raise ConfigError(f"invalid XLLM_MAX_BEAM_ROUNDS={settings.max_beam_rounds}: expected at least "
+                              f"{what} ({default_rounds})")
         try:
             device = resolve_device(settings.devices)
         except DeviceError as exc:
@@ -97,7 +103,8 @@ class Service:
                              settings.queue_timeout, trie)
         self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
         beam = BeamLimits(not continuous, settings.max_beam_width, settings.max_num_return_sequences,
-                          settings.beam_max_tokens, self.items.item_length if self.items else 0)
+                          settings.beam_max_tokens, self.items.item_length if self.items else 0,
+                          settings.max_beam_rounds)
         model = ModelInfo(self.name, self.runner.tokenizer, self.runner.vocab_size, self.runner.max_model_len,
                           settings.max_n, beam)
         info = {
@@ -108,6 +115,7 @@ class Service:
             "max_tokens_per_batch": settings.max_tokens_per_batch,
             "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,
             "max_queued_requests": settings.max_queued_requests, "max_beam_width": settings.max_beam_width,
+            "max_beam_rounds": settings.max_beam_rounds,
             "item_table": settings.item_table, "item_count": len(self.items.items) if self.items else 0,
         }
         self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key, self.items)

@@ -35,6 +35,7 @@ class QueuedRequest:
     __slots__ = ("index", "prompt_ids", "sink", "finish_reason", "aborted", "done", "arrival", "started")
 
     num_seqs = 1  # rows it holds in a batch
+    own_rows = own_tokens = 0  # the cache its beams hold apart from its row (BeamRequest)
 
     def __init__(self, index: int, prompt_ids: list[int], sink) -> None:
         self.index = index  # the choice index inside its response
