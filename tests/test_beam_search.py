@@ -12,8 +12,8 @@ import torch
 from .client import post
 from .conftest import ServerProcess
 from .hold import wait_until
-from .test_robustness import metric
 from .test_generation import random_prompts
+from .test_robustness import metric
 
 CASES = [  # (prompt length, beam_width, num_return_sequences, rounds)
     (7, 8, 3, 3), (30, 4, 4, 2), (3, 16, 5, 3), (50, 1, 1, 4), (12, 6, 2, 1), (21, 32, 8, 3),

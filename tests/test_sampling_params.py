@@ -10,8 +10,8 @@ import torch
 
 from .client import post, stream_events
 from .hold import wait_until
-from .test_robustness import metric
 from .test_generation import complete, random_prompts
+from .test_robustness import metric
 
 PROMPT = random_prompts(11, [25])[0]
 
