@@ -11,7 +11,9 @@ import torch
 
 from .client import post
 from .conftest import ServerProcess
+from .hold import wait_until
 from .test_generation import random_prompts
+from .test_robustness import metric
 
 CASES = [  # (prompt length, beam_width, num_return_sequences, rounds)
     (7, 8, 3, 3), (30, 4, 4, 2), (3, 16, 5, 3), (50, 1, 1, 4), (12, 6, 2, 1), (21, 32, 8, 3),
@@ -100,10 +102,59 @@ def test_rounds_default_to_the_server_setting(server):
     ({"beam_width": 4, "stop": ["a"]}, "stop"),
     ({"beam_width": 4, "stop_token_ids": [7]}, "stop_token_ids"),
     ({"beam_width": 4, "logprobs": 2}, "logprobs"),
+    ({"beam_width": 128, "max_tokens": 65}, "max_tokens"),  # past XLLM_MAX_BEAM_ROUNDS (64)
 ])
 def test_bad_beam_requests_get_400(server, body, param):
     status, answer, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], **body})
     assert status == 400 and answer["error"]["param"] == param
+
+
+def test_beam_rounds_up_to_the_limit_are_served(server):
+    status, body, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], "beam_width": 2, "max_tokens": 64})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 64, body
+
+
+@pytest.fixture(scope="module")
+def small_cache(tiny_model_dir):
+    """One slot of 2,048 tokens of cache (1 MiB, 512 bytes a token of the tiny model in float32)."""
+    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--kv-cache-bytes", "1M",
+                            "--concurrent-execute-stream-num", "1"])
+    yield server
+    server.stop()
+
+
+def test_a_beam_search_larger_than_the_cache_gets_400(small_cache):
+    # 10 prompt tokens and 128 beams x 19 own tokens: 2,442 tokens, more than the slot's 2,048.
+    status, body, _ = post(small_cache.port, "/v1/completions", {"prompt": [1] * 10, "beam_width": 128,
+                                                                  "max_tokens": 20})
+    assert status == 400 and body["error"]["param"] == "beam_width", body
+    assert "2442" in body["error"]["message"] and "XLLM_KV_CACHE_BYTES" in body["error"]["message"]
+    # 10 + 107 x 19 = 2,043 fits alone.
+    status, body, _ = post(small_cache.port, "/v1/completions", {"prompt": [1] * 10, "beam_width": 107,
+                                                                  "max_tokens": 20, "num_return_sequences": 2})
+    assert status == 200, body
+
+
+def test_beam_searches_that_fit_the_cache_only_one_at_a_time_take_turns(small_cache):
+    """Two beam searches of 1,226 tokens of cache each (10 + 64 x 19) wait in line together: the
+    second runs in a batch of its own after the first, not beside it in 2,452 tokens."""
+    beams = {"prompt": [1] * 10, "beam_width": 64, "max_tokens": 20, "num_return_sequences": 2}
+    alone = post(small_cache.port, "/v1/completions", beams)[1]["choices"]
+    with ThreadPoolExecutor(3) as pool:
+        with small_cache.hold("prefill"):  # a plain request holds the only slot while both queue
+            blocker = pool.submit(post, small_cache.port, "/v1/completions", {"prompt": [3], "max_tokens": 2})
+            small_cache.hold.wait_held("prefill")
+            # (counted now: the only slot's thread finished every earlier batch before this one)
+            batches = metric(small_cache, "xllm:slot_batches", "xllm:slot_batches_total", slot="0")
+            answers = [pool.submit(post, small_cache.port, "/v1/completions", beams) for _ in range(2)]
+            wait_until(lambda: metric(small_cache, "xllm:num_requests_waiting") == 2, what="both beam searches queued")
+        assert blocker.result(120)[0] == 200
+        for answer in answers:
+            status, body, _ = answer.result(120)
+            assert status == 200, body
+            assert body["choices"] == alone
+    wait_until(lambda: metric(small_cache, "xllm:slot_batches", "xllm:slot_batches_total", slot="0") >= batches + 3,
+               timeout=60, what="the blocker's batch, then one for each beam search")
 
 
 def test_neutral_sampling_fields_are_accepted_with_a_beam(server):

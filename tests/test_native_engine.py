@@ -214,6 +214,36 @@ def test_budget_counts_packed_tokens_a_beam_prompt_once_and_the_cache_rectangle(
     assert len(BatchBudget(256, 8192, packed=True).take(deque(wide))) == 3  # 3 x (1000 + 128), not 3 x 64,000
 
 
+def test_budget_counts_every_beam_x_its_rounds_against_the_cache():
+    from collections import deque
+
+    # Alone, each needs its prompt's row (100) and 8 beams x 4 own tokens: 132.
+    beams = [BeamRequest(i, [0] * 100, 8, 5, None) for i in range(2)]
+    assert BatchBudget(256, 8192, packed=True, kv_tokens=300).take(deque(beams)) == beams  # 200 + 16 x 4
+    assert BatchBudget(256, 8192, packed=True, kv_tokens=250).take(deque(beams)) == beams[:1]  # the other waits
+    budget = BatchBudget(256, 8192, packed=True, kv_tokens=131)
+    assert budget.cache_alone(beams[0]) == 132 and budget.never_fits(beams[0])
+    assert not BatchBudget(256, 8192, packed=True, kv_tokens=132).never_fits(beams[0])
+    # A single round is scored from the prefill alone: no cache at all.
+    assert BatchBudget(256, 8192, kv_tokens=1).cache_alone(BeamRequest(0, [0] * 100, 8, 1, None)) == 0
+
+
+def test_beam_caches_come_out_of_the_slots_arena(tiny_model_dir):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
+    runner.set_kv_cache(runner.kv_layout.token_bytes * 300, 1)
+    with torch.inference_mode():
+        _, state = runner.beam_prefill([[1] * 20, [2] * 30], [16, 8], 5)
+        buffer = runner._arena()._buffer
+        assert state.own.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        # After the prompts' 2 x 30 tokens: 24 beams x 4 rounds.
+        assert state.own.shape[2:5:2] == (24, 4)
+        assert state.own.storage_offset() == 60 * runner.kv_layout.token_elements
+        with pytest.raises(MemoryError):  # 30 + 72 x 4 > 300: refused, nothing allocated beside the arena
+            runner.beam_prefill([[1] * 30], [72], 5)
+
+
 def test_families_we_run_and_those_left_to_transformers():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 

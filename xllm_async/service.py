@@ -51,6 +51,10 @@ class Service:
         self._trim_schedule = TrimSchedule(TRIM_INTERVAL)
         self._reloading = False
         self._reload_task: asyncio.Task | None = None
+        # The rounds a beam request runs when it sends no max_tokens must be within the limit.
+        if settings.beam_max_tokens > settings.max_beam_rounds:
+            raise ConfigError(f"invalid XLLM_MAX_BEAM_ROUNDS={settings.max_beam_rounds}: expected at least "
+                              f"XLLM_BEAM_MAX_TOKENS ({settings.beam_max_tokens})")
         try:
             device = resolve_device(settings.devices)
         except DeviceError as exc:
@@ -97,7 +101,8 @@ class Service:
                              settings.queue_timeout)
         self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self.beam = beam = BeamLimits(not continuous, settings.max_beam_width, settings.max_num_return_sequences,
-                          settings.beam_max_tokens, self.items.item_length if self.items else 0)
+                                      settings.beam_max_tokens, self.items.item_length if self.items else 0,
+                                      settings.max_beam_rounds)
         model = ModelInfo(self.name, self.runner.tokenizer, self.runner.vocab_size, self.runner.max_model_len,
                           settings.max_n, beam)
         info = {
@@ -108,6 +113,7 @@ class Service:
             "max_tokens_per_batch": settings.max_tokens_per_batch,
             "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,
             "max_queued_requests": settings.max_queued_requests, "max_beam_width": settings.max_beam_width,
+            "max_beam_rounds": settings.max_beam_rounds,
             "item_table": settings.item_table, "item_count": 0,  # the loaded table's figures: OpenAIApp.info
         }
         self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key, self.items)
@@ -131,6 +137,9 @@ class Service:
     def _load_items(self) -> ItemTable:
         started = time.monotonic()
         table = ItemTable.load(self.settings.item_table, self.runner.vocab_size, self.runner.device)
+        if table.item_length > self.settings.max_beam_rounds:  # its searches could never run
+            raise ItemTableError(f"{table.path}: items of {table.item_length} tokens; XLLM_MAX_BEAM_ROUNDS="
+                                 f"{self.settings.max_beam_rounds} allows at most that many rounds")
         log.info("item table %s: %s, version %s, %.1f MB, loaded in %.2f s", table.path, table.summary(),
                  table.version, table.nbytes() / 1e6, time.monotonic() - started)
         return table

@@ -15,7 +15,7 @@ import orjson
 
 from .. import __version__
 from ..engine.beam import BeamRequest
-from ..engine.engine import Engine, EngineFull, TooManySequences
+from ..engine.engine import CacheTooSmall, Engine, EngineFull, TooManySequences
 from ..engine.output import OutputStream
 from ..engine.request import EngineRequest
 from ..errors import ApiError
@@ -228,6 +228,9 @@ class OpenAIApp:
             self.engine.submit(requests)
         except TooManySequences as exc:
             raise ApiError(400, f"Request too large: {exc}", param="n" if spec.n > 1 else "prompt") from None
+        except CacheTooSmall as exc:  # (only a beam search can: start-up fits the longest sequence)
+            raise ApiError(400, f"Request too large: {exc}; ask for fewer beams or rounds",
+                           param="beam_width" if spec.beam_width is not None else "prompt") from None
         except EngineFull as exc:
             raise ApiError(503, f"Server overloaded: {exc}; retry later", headers=b"retry-after: 1\r\n") from None
         choices = [Choice() for _ in range(num)]

@@ -7,7 +7,7 @@ import inspect
 
 import orjson
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
 from .fields import Fields, bad, is_int
 
@@ -30,15 +30,17 @@ UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, 
 class BeamLimits:
     """What beam (recommendation) requests may ask for on this server."""
 
-    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds", "item_length")
+    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds", "item_length",
+                 "max_rounds")
 
     def __init__(self, supported: bool = True, max_beam_width: int = 128, max_num_return_sequences: int = 128,
-                 default_rounds: int = 3, item_length: int = 0) -> None:
+                 default_rounds: int = 3, item_length: int = 0, max_rounds: int = 64) -> None:
         self.supported = supported  # the continuous scheduler runs no beam search
         self.max_beam_width = max_beam_width
         self.max_num_return_sequences = max_num_return_sequences
         self.default_rounds = item_length or default_rounds
         self.item_length = item_length  # with an item table: every item id's length in tokens (0: no table)
+        self.max_rounds = max_rounds
 
 
 class ModelInfo:
@@ -184,6 +186,9 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     if beam_width is not None and model.beam.item_length and max_tokens != model.beam.item_length:
         raise bad("max_tokens", f"Items of this server's table are {model.beam.item_length} tokens long: "
                                 f"`max_tokens` must be {model.beam.item_length} with `beam_width` (or absent)")
+    if beam_width is not None and max_tokens > model.beam.max_rounds:
+        raise bad("max_tokens", f"A beam search runs at most {model.beam.max_rounds} rounds on this server "
+                                f"(XLLM_MAX_BEAM_ROUNDS): `max_tokens` must be at most that with `beam_width`")
     longest = max(len(p) for p in prompts)
     if longest >= model.max_model_len:
         raise bad(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens, "
@@ -201,7 +206,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         top_p=fields.float("top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(top_k, 0),  # -1 and 0 both mean "off", as in vLLM
         min_p=fields.float("min_p", 0.0, 0.0, 1.0),
-        seed=fields.int("seed", None),
+        seed=fields.int("seed", None, MIN_SEED, MAX_SEED),
         stop=fields.str_list("stop", MAX_STOP_STRINGS),
         stop_token_ids=frozenset(fields.int_list("stop_token_ids", 0, model.vocab_size - 1)),
         ignore_eos=fields.bool("ignore_eos", False),

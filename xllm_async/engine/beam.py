@@ -75,7 +75,17 @@ class BeamRequest(QueuedRequest):
 
     @property
     def cache_tokens(self) -> int:
+        """Its prompt's cache row (none for a single round: nothing is fed after the prefill)."""
         return len(self.prompt_ids) if self.rounds > 1 else 0
+
+    @property
+    def own_rows(self) -> int:
+        return self.beam_width if self.rounds > 1 else 0
+
+    @property
+    def own_tokens(self) -> int:
+        """The tokens each beam keeps in its own cache: one a round after the first."""
+        return self.rounds - 1
 
 
 class _Group:

@@ -14,7 +14,9 @@ class BatchBudget:
     tokens); on the transformers engine prompts are left-padded, so it costs
     rows x the longest prompt. A beam request counts as beam_width sequences.
     The cache (kv_tokens per slot, 0 = unbounded) holds a rectangle: cache rows x
-    the most tokens any row will reach (request.cache_tokens).
+    the most tokens any row will reach (request.cache_tokens), and beside it the
+    beams' own caches: every beam x the most rounds after the first
+    (request.own_rows x request.own_tokens), as the runner lays them out.
     """
 
     __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens")
@@ -42,6 +44,7 @@ class BatchBudget:
         longest = tokens = 0
         seqs = seqs_in_use
         rows, row_tokens = cache_in_use
+        own_rows = own_tokens = 0
         while waiting and not (limit and len(batch) >= limit):
             req = waiting[0]
             if req.aborted:
@@ -52,16 +55,26 @@ class BatchBudget:
             longest_if_taken = max(longest, len(req.prompt_ids))
             seqs_if_taken = seqs + req.num_seqs
             tokens_if_taken = tokens + req.prefill_tokens
-            need = req.cache_tokens
-            row_tokens_if_taken = max(row_tokens, need)
+            row_tokens_if_taken = max(row_tokens, req.cache_tokens)
+            own_rows_if_taken, own_tokens_if_taken = own_rows + req.own_rows, max(own_tokens, req.own_tokens)
             over = (self._over(seqs_if_taken, tokens_if_taken, longest_if_taken)
-                    or (self.kv_tokens and row_tokens_if_taken and (rows + 1) * row_tokens_if_taken > self.kv_tokens))
+                    or self._over_cache((rows + 1) * row_tokens_if_taken + own_rows_if_taken * own_tokens_if_taken))
             if over and (batch or seqs_in_use):
                 break
             batch.append(waiting.popleft())
             longest, seqs, tokens = longest_if_taken, seqs_if_taken, tokens_if_taken
             rows, row_tokens = rows + 1, row_tokens_if_taken
+            own_rows, own_tokens = own_rows_if_taken, own_tokens_if_taken
         return batch
+
+    def cache_alone(self, request) -> int:
+        """The cache tokens a request needs in a batch of its own."""
+        return request.cache_tokens + request.own_rows * request.own_tokens
+
+    def never_fits(self, request) -> bool:
+        """Whether a request's cache exceeds a slot's even alone: it must be refused, not queued
+        (take() would start it alone, and the runner could not hold it)."""
+        return self._over_cache(self.cache_alone(request))
 
     def filled_by(self, waiting: deque) -> bool:
         """Whether the waiting requests fill a batch already: more arrivals could not join it."""
@@ -73,6 +86,9 @@ class BatchBudget:
             if self._over(seqs, tokens, longest):
                 return True
         return False
+
+    def _over_cache(self, tokens: int) -> bool:
+        return bool(self.kv_tokens) and tokens > self.kv_tokens
 
     def _over(self, seqs: int, tokens: int, longest: int) -> bool:
         """Whether a batch of this many sequences and prompt tokens is over the budgets."""

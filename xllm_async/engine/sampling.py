@@ -5,6 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Seeds a request may send: every signed and every unsigned 64-bit integer (vLLM's range is the
+# signed one; torch seeds with either). A choice's seed is the request's plus its index, taken
+# modulo SEED_SPACE, so that no seed overflows the generator.
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
+SEED_SPACE = 2**64
+
 
 class SamplingParams:
     """How one sequence is generated; validated by the API before it gets here."""
@@ -81,14 +87,15 @@ def score_prompt(head, hidden: torch.Tensor, targets: list[int], top: int) -> Pr
 
 def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:
     """A per-request generator so that a seeded request samples the same tokens in any batch.
-    offset (the choice index) keeps the n choices of one seeded request apart."""
+    offset (the choice index) keeps the n choices of one seeded request apart; a negative seed
+    wraps as torch wraps it (-1 and 2^64 - 1 are one seed)."""
     if params.greedy:
         return None
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed + offset)
+        gen.manual_seed((params.seed + offset) % SEED_SPACE)
     return gen
 
 

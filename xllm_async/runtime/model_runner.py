@@ -213,14 +213,20 @@ class ModelRunner:
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int):
         """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
-        widths: the most beams each request will have; rounds: the most rounds any request runs."""
+        widths: the most beams each request will have; rounds: the most rounds any request runs.
+
+        Both caches come out of this slot's arena, as admission counted them (BeamRequest):
+        the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
         lengths = [len(p) for p in prompts]
-        cache = None
+        cache = own = None
         if rounds > 1:
-            cache = SlabCache(self._arena(), len(prompts), max(lengths))
+            arena = self._arena()
+            cache = SlabCache(arena, len(prompts), max(lengths))
             cache.add_rows(lengths, max(lengths))
+            # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
+            own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
         hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache))
-        return hidden, BeamState(cache, lengths, sum(widths), rounds, self.kv_layout, self.device)
+        return hidden, BeamState(cache, lengths, own)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
         """One round: every live beam's last token in; final hidden states [beams, hidden] out.
@@ -240,7 +246,8 @@ class ModelRunner:
 class BeamState:
     """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
     row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
-    the tokens the beams generated. Reordering beams moves only `own`.
+    the tokens the beams generated, both in the slot's arena (None with a single
+    round, which needs no cache). Reordering beams moves only `own`.
 
     widths/starts: the rows each request had in the last round fed (one, its
     prompt, after the prefill).
@@ -248,14 +255,12 @@ class BeamState:
 
     __slots__ = ("prompts", "lengths", "widths", "starts", "own", "step")
 
-    def __init__(self, prompts: SlabCache | None, lengths: list[int], beams: int, rounds: int,
-                 layout: KvLayout, device: torch.device) -> None:
+    def __init__(self, prompts: SlabCache | None, lengths: list[int], own: torch.Tensor | None) -> None:
         self.prompts = prompts
         self.lengths = lengths
         self.widths = [1] * len(lengths)
         self.starts = list(range(len(lengths) + 1))
-        self.own = torch.empty(layout.layers, 2, beams, layout.kv_heads, max(rounds - 1, 1), layout.head_dim,
-                               dtype=layout.dtype, device=device)
+        self.own = own
         self.step = 0  # own tokens every beam has stored
 
     def follow(self, parents: list[int], widths: list[int]) -> None:
