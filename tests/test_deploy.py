@@ -161,8 +161,9 @@ class Load:
     not, alternately) and checking every answer against the expected one. Even-numbered clients
     keep their connection alive, as SDKs do; odd-numbered ones open one per request."""
 
-    def __init__(self, port: int, expected: list[str], name: str) -> None:
+    def __init__(self, port: int, expected: list[str], name: str, users: bool = False) -> None:
         self.port = port
+        self.users = users  # every third client sends an X-User-Id (HAProxy's user-affinity backend)
         self.name = name  # request ids are f"{name}-{client}-{n}", unique in HAProxy's log
         self.expected = expected
         self.outcomes: list[Outcome] = []
@@ -200,9 +201,12 @@ class Load:
             outcome = Outcome(f"{self.name}-{index}-{n}", (index + n) % 2 == 1, conn is not None, time.monotonic())
             try:
                 conn = conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT)
+                headers = {"content-type": "application/json", "x-request-id": outcome.request_id,
+                           "connection": "keep-alive" if index % 2 == 0 else "close"}
+                if self.users and index % 3 == 0:
+                    headers["x-user-id"] = f"user-{index}"
                 conn.request("POST", "/v1/completions", orjson.dumps(request_body(PROMPTS[which], outcome.stream)),
-                             {"content-type": "application/json", "x-request-id": outcome.request_id,
-                              "connection": "keep-alive" if index % 2 == 0 else "close"})
+                             headers)
                 response = conn.getresponse()
                 outcome.status = response.status
                 outcome.error = self._check(response, outcome, self.expected[which])
@@ -248,7 +252,8 @@ def summary(load: Load) -> str:
 
 @needs_haproxy
 def test_rolling_restart_loses_no_request(fleet, expected):
-    with Load(fleet.port, expected, "restart") as load:
+    """Users with affinity among the clients: a restarted replica's users move, none fails."""
+    with Load(fleet.port, expected, "restart", users=True) as load:
         load.wait_answers(CONCURRENCY * 2)
         for i, replica in enumerate(fleet.replicas):
             replica.stop()  # SIGTERM: /health answers 503, admitted requests finish, the process exits
@@ -414,3 +419,53 @@ def test_replicas_reload_signals_every_replica(tmp_path):
     finally:
         for proc in procs:
             proc.kill()
+
+
+def send_as_user(port: int, request_id: str, user: str | None) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if user is not None:
+        headers["x-user-id"] = user
+    conn.request("POST", "/v1/completions", orjson.dumps(request_body(PROMPTS[0], False)), headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+@needs_haproxy
+def test_each_users_requests_land_on_one_replica(fleet):
+    """One request at a time (no replica is ever loaded past the factor): 12 users' requests, in
+    turn, each user always on the same replica, the users spread over more than one."""
+    sent = {}
+    for n in range(4):
+        for u in range(12):
+            request_id = f"affinity-{u}-{n}"
+            assert send_as_user(fleet.port, request_id, f"user-{u}") == 200
+            sent[request_id] = f"user-{u}"
+    log = {line[0]: line[1] for line in fleet.log_lines()}
+    replicas: dict[str, set] = {}
+    for request_id, user in sent.items():
+        assert log[request_id].startswith("users/"), log[request_id]
+        replicas.setdefault(user, set()).add(log[request_id])
+    assert all(len(where) == 1 for where in replicas.values()), replicas
+    assert len(set().union(*replicas.values())) > 1
+
+
+@needs_haproxy
+def test_a_hot_user_spills_over_to_other_replicas(fleet):
+    """Eight clients at once, all one user: with consistent hashing alone one replica would take
+    them all; the balance factor passes what exceeds 1.5x the average on to the next replicas."""
+    results = []
+
+    def client(i: int) -> None:
+        for n in range(6):
+            results.append(send_as_user(fleet.port, f"hot-{i}-{n}", "hot-user"))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [200] * 48
+    served = [line[1] for line in fleet.log_lines() if line[0].startswith("hot-")]
+    assert len(served) == 48 and len(set(served)) > 1, served
