@@ -16,7 +16,9 @@ class BatchBudget:
     The cache (kv_tokens per slot, 0 = unbounded) holds a rectangle: cache rows x
     the most tokens any row will reach (request.cache_tokens), and beside it the
     beams' own caches: every beam x the most rounds after the first
-    (request.own_rows x request.own_tokens), as the runner lays them out.
+    (request.own_rows x request.own_tokens), as our runner lays them out. The
+    transformers engine copies a beam's prompt into every beam: there a beam
+    request is beam_width rows of its prompt and rounds.
     """
 
     __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens")
@@ -55,21 +57,30 @@ class BatchBudget:
             longest_if_taken = max(longest, len(req.prompt_ids))
             seqs_if_taken = seqs + req.num_seqs
             tokens_if_taken = tokens + req.prefill_tokens
-            row_tokens_if_taken = max(row_tokens, req.cache_tokens)
-            own_rows_if_taken, own_tokens_if_taken = own_rows + req.own_rows, max(own_tokens, req.own_tokens)
+            req_rows, req_tokens, req_own_rows, req_own_tokens = self._cache_shape(req)
+            row_tokens_if_taken = max(row_tokens, req_tokens)
+            own_rows_if_taken, own_tokens_if_taken = own_rows + req_own_rows, max(own_tokens, req_own_tokens)
             over = (self._over(seqs_if_taken, tokens_if_taken, longest_if_taken)
-                    or self._over_cache((rows + 1) * row_tokens_if_taken + own_rows_if_taken * own_tokens_if_taken))
+                    or self._over_cache((rows + req_rows) * row_tokens_if_taken
+                                        + own_rows_if_taken * own_tokens_if_taken))
             if over and (batch or seqs_in_use):
                 break
             batch.append(waiting.popleft())
             longest, seqs, tokens = longest_if_taken, seqs_if_taken, tokens_if_taken
-            rows, row_tokens = rows + 1, row_tokens_if_taken
+            rows, row_tokens = rows + req_rows, row_tokens_if_taken
             own_rows, own_tokens = own_rows_if_taken, own_tokens_if_taken
         return batch
 
     def cache_alone(self, request) -> int:
         """The cache tokens a request needs in a batch of its own."""
-        return request.cache_tokens + request.own_rows * request.own_tokens
+        rows, tokens, own_rows, own_tokens = self._cache_shape(request)
+        return rows * tokens + own_rows * own_tokens
+
+    def _cache_shape(self, request) -> tuple[int, int, int, int]:
+        """(rectangle rows, tokens a row, own rows, own tokens) a request adds to a slot's cache."""
+        if self.packed or not request.own_rows:
+            return 1, request.cache_tokens, request.own_rows, request.own_tokens
+        return request.own_rows, request.cache_tokens + request.own_tokens, 0, 0
 
     def never_fits(self, request) -> bool:
         """Whether a request's cache exceeds a slot's even alone: it must be refused, not queued
