@@ -14,6 +14,7 @@ from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.model.llama import ModelShape
 
+from .conftest import require_kernel
 from .test_generation import random_prompts
 
 
@@ -226,6 +227,14 @@ def _packings() -> list[str]:
     return kinds
 
 
+def _require_packing(kind: str) -> None:
+    """Ours: failed, not skipped, where this CPU has the instructions and it did not verify (conftest)."""
+    if kind == "ours":
+        require_kernel("linear")
+    elif kind not in _packings():
+        pytest.skip(f"no {kind} linear on this machine")
+
+
 @pytest.mark.parametrize("kind", ["ours", "onednn"])
 def test_packed_linears_compute_what_plain_ones_do(kind):
     """Every row count (a block of 32 rows and its tail, groups of 4 rows and their tails, and
@@ -233,8 +242,7 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
     within bfloat16 rounding of the plain layer's float32 product."""
     from xllm_async.model.layers import OUR_MAX_ROWS, Linear, pack_linears
 
-    if kind not in _packings():
-        pytest.skip(f"no {kind} linear on this machine")
+    _require_packing(kind)
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
     with torch.inference_mode():
@@ -253,12 +261,10 @@ def test_our_float32_linear_computes_what_the_plain_one_does(tiny_model_dir):
     of 32 and past it), an odd input width, a last column block part padding, a bias: equal to the
     plain layer within float32 summation order. A float32 model gets it, with no oneDNN copy and
     no padded rows."""
-    from xllm_async.model import cpu_kernels
     from xllm_async.model.layers import Linear, pack_linears
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if not cpu_kernels.our_float32_linear():
-        pytest.skip("no float32 linear of ours on this machine")
+    require_kernel("float32 linear")
     torch.manual_seed(0)
     layer = Linear(63, 100, bias=True)
     with torch.inference_mode():
@@ -278,8 +284,7 @@ def test_our_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(ti
     head serves them; elsewhere the plain head does. Either way they are the whole logits' columns."""
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if "ours" not in _packings():
-        pytest.skip("no linear of ours on this machine")
+    require_kernel("linear")
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     assert runner.model.packed_lm_head.kind == "ours"
     hidden = torch.randn(7, runner.model.shape.hidden).bfloat16()
@@ -363,8 +368,7 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     from xllm_async.model import cpu_kernels, layers
     from xllm_async.runtime import model_runner
 
-    if kind not in _packings():
-        pytest.skip(f"no {kind} linear on this machine")
+    _require_packing(kind)
     monkeypatch.setattr(model_runner, "linear_packing", lambda device, dtype: kind)
     runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     runner.set_kv_cache(64 << 20, 1)
