@@ -216,6 +216,34 @@ def test_beam_top_k_of_equal_values_ranks_by_column(columns):
     assert torch.allclose(lse, torch.logsumexp(logits, dim=-1), atol=1e-4)
 
 
+@pytest.mark.kernel("beam top-k")
+@pytest.mark.parametrize("columns,k", [(300, 20), (5000, 128)])
+def test_beam_top_k_ranks_nan_first_as_torch_and_fills_every_slot(columns, k):
+    """NaN logits (a broken forward's) rank above every number, as torch.topk (beam.py's fallback)
+    ranks them, the lower column first, and make the row's log-sum-exp NaN as torch.logsumexp
+    does. Every slot holds a column of the row: a row of fewer numbers than k once left slots
+    unwritten, token ids read from memory no one wrote."""
+    nan = float("nan")
+    logits = randn(6, columns, seed=15)
+    logits[0, [7, columns - 1]] = nan  # two NaNs among numbers
+    logits[1] = nan  # every value NaN
+    logits[2, 10:] = nan  # ten numbers, fewer than k
+    logits[3, ::3] = nan  # NaNs in every vector
+    logits.view(torch.int16)[4, 5] = -64  # a NaN with its sign bit set (0xffc0)
+    values, where, lse = cpu_kernels.topk_logsumexp()(logits, k)
+    want = logits.float().topk(k, dim=-1).values
+    torch.testing.assert_close(values, want, rtol=0, atol=0, equal_nan=True)
+    assert ((where >= 0) & (where < columns)).all()
+    torch.testing.assert_close(logits.float().gather(1, where), values, rtol=0, atol=0, equal_nan=True)
+    for row in range(6):
+        nans = logits[row].float().isnan().nonzero().flatten()
+        taken = min(k, len(nans))
+        assert torch.equal(where[row, :taken], nans[:taken])  # the lowest NaN columns, in order
+        assert torch.equal(values[row, taken:].isnan(), torch.zeros(k - taken, dtype=torch.bool))
+    assert lse[:5].isnan().all()
+    assert torch.allclose(lse[5], torch.logsumexp(logits[5].float(), dim=-1), atol=1e-4)
+
+
 @pytest.mark.kernel("decode attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 4, 32), (16, 8, 128)])
