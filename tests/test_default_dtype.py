@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import pytest
 import torch
 
@@ -35,9 +36,14 @@ def default_servers(tiny_model_dir, tmp_path_factory):
     env = {"XLLM_DTYPE": "auto"}  # (conftest's float32 otherwise)
     base = ["--model", tiny_model_dir, "--served-model-name", "tiny"]
     with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(ServerProcess, base, env)
-        items = pool.submit(ServerProcess, [*base, "--item-table", str(table)], env)
-        servers = plain.result(), items.result()
+        starting = [pool.submit(ServerProcess, base, env),
+                    pool.submit(ServerProcess, [*base, "--item-table", str(table)], env)]
+    if any(f.exception() for f in starting):  # (the one that started is not left running)
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
+        raise next(f.exception() for f in starting if f.exception())
+    servers = tuple(f.result() for f in starting)
     yield servers
     for server in servers:
         server.stop()
@@ -50,17 +56,15 @@ def expected_dtype() -> str:
 
 
 def test_the_default_server_runs_the_cpus_fast_dtype(default_servers):
-    import orjson
-
     for server in default_servers:
         status, raw, _ = get(server.port, "/server_info")
         assert status == 200 and orjson.loads(raw)["dtype"] == expected_dtype()
 
 
-def reference_scores(reference, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple[torch.Tensor, torch.Tensor]]]:
+def reference_scores(reference, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple]]:
     """The float32 reference's greedy continuation of each prompt (batched, left-padded), and for
     each prompt + continuation, at every position after the first: the reference's likeliest token
-    and its log-probabilities of the tokens there."""
+    and its log-probabilities of the tokens there (two tensors a sequence)."""
     model = reference.model
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
