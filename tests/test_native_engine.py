@@ -15,6 +15,7 @@ from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.model.llama import ModelShape
 
+from .conftest import require_kernel
 from .test_generation import random_prompts
 
 
@@ -266,6 +267,30 @@ def _packings() -> list[str]:
     return kinds
 
 
+def _require_packing(kind: str) -> None:
+    """Ours: failed, not skipped, where this CPU has the instructions and it did not verify (conftest)."""
+    if kind == "ours":
+        require_kernel("linear")
+    elif kind not in _packings():
+        pytest.skip(f"no {kind} linear on this machine")
+
+
+@pytest.mark.kernel("linear")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_our_linear_refuses_a_bias_of_another_length(dtype):
+    """It reads n bias values: a shorter bias was read past its end, a longer one taken in part."""
+    if dtype == torch.float32:
+        require_kernel("float32 linear")
+    packed = torch.ops.xllm.pack_linear(torch.ones(40, 32, dtype=dtype))
+    x = torch.ones(3, 32, dtype=dtype)
+    assert torch.equal(torch.ops.xllm.linear(x, packed, torch.ones(40), 40), torch.full((3, 40), 33, dtype=dtype))
+    for bias in (torch.ones(39), torch.ones(41), torch.ones(1), torch.ones(2, 20)):
+        with pytest.raises(RuntimeError, match="bias"):
+            torch.ops.xllm.linear(x, packed, bias.to(dtype), 40)
+    with pytest.raises(RuntimeError, match="bias"):  # (checked whatever the rows)
+        torch.ops.xllm.linear(x[:0], packed, torch.ones(3), 40)
+
+
 @pytest.mark.parametrize("kind", ["ours", "onednn"])
 def test_packed_linears_compute_what_plain_ones_do(kind):
     """Every row count (a block of 32 rows and its tail, groups of 4 rows and their tails, and
@@ -273,8 +298,7 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
     within bfloat16 rounding of the plain layer's float32 product."""
     from xllm_async.model.layers import OUR_MAX_ROWS, Linear, pack_linears
 
-    if kind not in _packings():
-        pytest.skip(f"no {kind} linear on this machine")
+    _require_packing(kind)
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
     with torch.inference_mode():
@@ -293,12 +317,10 @@ def test_our_float32_linear_computes_what_the_plain_one_does(tiny_model_dir):
     of 32 and past it), an odd input width, a last column block part padding, a bias: equal to the
     plain layer within float32 summation order. A float32 model gets it, with no oneDNN copy and
     no padded rows."""
-    from xllm_async.model import cpu_kernels
     from xllm_async.model.layers import Linear, pack_linears
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if not cpu_kernels.our_float32_linear():
-        pytest.skip("no float32 linear of ours on this machine")
+    require_kernel("float32 linear")
     torch.manual_seed(0)
     layer = Linear(63, 100, bias=True)
     with torch.inference_mode():
@@ -318,8 +340,7 @@ def test_our_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(ti
     head serves them; elsewhere the plain head does. Either way they are the whole logits' columns."""
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if "ours" not in _packings():
-        pytest.skip("no linear of ours on this machine")
+    require_kernel("linear")
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     assert runner.model.packed_lm_head.kind == "ours"
     hidden = torch.randn(7, runner.model.shape.hidden).bfloat16()
@@ -403,8 +424,7 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     from xllm_async.model import cpu_kernels, layers
     from xllm_async.runtime import model_runner
 
-    if kind not in _packings():
-        pytest.skip(f"no {kind} linear on this machine")
+    _require_packing(kind)
     monkeypatch.setattr(model_runner, "linear_packing", lambda device, dtype: kind)
     runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     runner.set_kv_cache(64 << 20, 1)
@@ -498,6 +518,55 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
     spans.clear()  # float32 takes the kernel's other path: exact lengths
     attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(), dim ** -0.5)
     assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
+
+
+@pytest.mark.parametrize("refusal", [
+    RuntimeError("GQA is not supported with the cuDNN backend."),
+    RuntimeError("FlashAttention only supports Ampere GPUs or newer."),
+    RuntimeError("CUDA error: no kernel image is available for execution on the device"),
+    TypeError("varlen_attn() got an unexpected keyword argument 'window_size'"),
+    ValueError("Expect number of query heads to be a multiple of kv heads"),
+    NotImplementedError("varlen_attn on this device"),
+])
+def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_run(monkeypatch, caplog, refusal):
+    """A failure of one call (out of memory, a device fault) fails that forward's batch and leaves
+    varlen flash attention on for the next; one that says this build or device cannot run it turns
+    it off for good, with one warning, and the packed prompts' SDPA calls answer instead. Once,
+    any failure turned it off for the whole process. (torch's function replaced by a stand-in:
+    it runs only on CUDA.)"""
+    from xllm_async.model import attention, cpu_kernels
+
+    failures = iter([torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                     RuntimeError("CUDA error: an illegal memory access was encountered"), refusal])
+    calls = []
+
+    def stand_in(q, k, v, *args, **kwargs):
+        calls.append(q.shape[0])
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return torch.zeros_like(q)
+
+    flash = attention._FlashVarlen()
+    flash.fn, flash.extra, flash.gqa, flash.scale = stand_in, {}, True, True
+    flash.usable = lambda q: flash.fn is not None  # (a CPU tensor stands in for a CUDA one)
+    monkeypatch.setattr(attention, "_VARLEN", flash)
+    monkeypatch.setattr(cpu_kernels, "_varlen", None)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(11, 2, 16, generator=gen) for _ in range(3))
+    prefill = attention.PackedPrefill([5, 6], torch.device("cpu"))
+    prefill.cu_lengths = torch.tensor([0, 5, 11], dtype=torch.int32)
+    with pytest.raises(torch.OutOfMemoryError):
+        prefill.attend(0, q, k, v, 0.25)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        prefill.attend(0, q, k, v, 0.25)
+    assert flash.fn is stand_in  # still on: the next batch tries it again
+    with caplog.at_level("WARNING", logger="xllm_async.model"):
+        out = prefill.attend(0, q, k, v, 0.25)
+    assert flash.fn is None and caplog.text.count("varlen flash attention unusable") == 1
+    assert len(calls) == 3 and out.abs().sum() > 0  # SDPA's answer, not the stand-in's zeros
+    assert torch.equal(prefill.attend(0, q, k, v, 0.25), out) and len(calls) == 3  # off for good
+    assert not attention.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
 
 
 def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monkeypatch):
