@@ -28,7 +28,10 @@ perf/bench_serving.py's writer into perf/results/beams/.
    A fresh server without a table, then one per catalogue: seconds from the process's start to
    /health, resident memory once ready (minus the server without a table's), median latency of
    `--catalogue-width` (128) beams on `--prompt-tokens` prompts (the no-table server's too),
-   and the time a SIGHUP reload of the same file takes (until the load counter moves).
+   and the time a SIGHUP reload of the same file takes (until the load counter moves). Then
+   `--catalogue-load-prompts` (64) requests from 8 clients while the table is reloaded 3 times
+   (the same file, a bad file in its place, the same file again): failed requests, median and
+   P99 against the same load without reloads.
 4. `--widest`: a fresh server without the table; width `--widest-width` (512) on a
    `--widest-prompt-tokens` (2,000) token prompt must complete: its latency and extra memory.
 
@@ -310,6 +313,38 @@ def reload_seconds(up) -> float:
     return time.monotonic() - started
 
 
+def reloads_under_load(up, setup: Setup, args: argparse.Namespace, path: str, body: dict) -> dict:
+    """8 clients of beam searches, once quietly and once while the table is reloaded three times
+    (the middle time from a bad file, which must leave the old table serving)."""
+    prompts = bench.make_random_prompts(setup.tokenizer, args.catalogue_load_prompts, args.prompt_tokens, 4,
+                                        seed=args.seed + 66)
+    common = dict(tokenizer=setup.tokenizer, model=os.path.basename(setup.model), stream=False, max_concurrency=8,
+                  extra_body=body)
+    quiet = bench.run(bench.benchmark(up.base_url, prompts, **common))
+    outcome = {}
+
+    def reload_three_times() -> None:
+        time.sleep(0.5)
+        outcome["first"] = reload_seconds(up)
+        os.rename(path, path + ".good")
+        with open(path, "w") as f:
+            f.write("bad\t1 -2 3 4\n")
+        try:
+            outcome["bad"] = reload_seconds(up)
+        finally:
+            os.replace(path + ".good", path)
+        outcome["last"] = reload_seconds(up)
+
+    reloader = threading.Thread(target=reload_three_times)
+    reloader.start()
+    busy = bench.run(bench.benchmark(up.base_url, prompts, **common))
+    reloader.join()
+    return {"load_requests": busy["completed"] + busy["failed"], "load_failed": busy["failed"] + quiet["failed"],
+            "quiet_median_ms": quiet["median_e2e_latency_ms"], "quiet_p99_ms": quiet["p99_e2e_latency_ms"],
+            "reloading_median_ms": busy["median_e2e_latency_ms"], "reloading_p99_ms": busy["p99_e2e_latency_ms"],
+            "reloads_done": len(outcome)}
+
+
 def run_catalogues(setup: Setup, args: argparse.Namespace) -> list[dict]:
     rows = []
     prompts = bench.make_random_prompts(setup.tokenizer, args.warmup + args.repetitions, args.prompt_tokens, 4,
@@ -341,12 +376,19 @@ def run_catalogues(setup: Setup, args: argparse.Namespace) -> list[dict]:
                 if index >= args.warmup:
                     latencies.append(metrics["median_e2e_latency_ms"])
             reload = reload_seconds(up) if spec is not None else float("nan")
+            loaded = {} if spec is None or not args.catalogue_load_prompts else \
+                reloads_under_load(up, setup, args, path, body)
         rows.append({"part": "catalogue", "table": name, "width": args.catalogue_width,
-                     "prompt_tokens": args.prompt_tokens, "rounds": rounds, "failed": 0,
+                     "prompt_tokens": args.prompt_tokens, "rounds": rounds, "failed": loaded.get("load_failed", 0),
                      "startup_s": startup, "ready_rss_mb": ready / MB,
-                     "median_latency_ms": statistics.median(latencies), "reload_s": reload})
+                     "median_latency_ms": statistics.median(latencies), "reload_s": reload, **loaded})
         print(f"  catalogue {name:<16} start-up {startup:6.1f} s  resident {ready / MB:7.0f} MB  "
               f"beam {args.catalogue_width} {rows[-1]['median_latency_ms']:8.1f} ms  reload {reload:.2f} s", flush=True)
+        if loaded:
+            print(f"    8 clients, 3 reloads (one bad file): {loaded['load_requests']} requests, "
+                  f"{loaded['load_failed']} failed; median / P99 {loaded['reloading_median_ms']:.0f} / "
+                  f"{loaded['reloading_p99_ms']:.0f} ms against {loaded['quiet_median_ms']:.0f} / "
+                  f"{loaded['quiet_p99_ms']:.0f} ms without reloads", flush=True)
     return rows
 
 
@@ -444,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--catalogues", type=catalogue_shapes, default=[],
                         help="item tables at scale, ITEMSxCODEBOOKSxCODES[,...] (e.g. 1520000x4x8192)")
     parser.add_argument("--catalogue-width", type=int, default=128)
+    parser.add_argument("--catalogue-load-prompts", type=int, default=64,
+                        help="requests of the reloads-under-load part (0: skip it)")
     parser.add_argument("--widest", action="store_true", help="also the widest beam")
     parser.add_argument("--widest-width", type=int, default=512)
     parser.add_argument("--widest-prompt-tokens", type=int, default=2000)
