@@ -110,6 +110,17 @@ class Fleet:
         """HAProxy's log: [request id, backend/replica, status, termination state, retries, ms] each."""
         return [line.split() for line in self.log().splitlines() if line.count(" ") == 5 and "/" in line.split()[1]]
 
+    def logged(self, request_ids, timeout: float = 30) -> dict[str, list[str]]:
+        """HAProxy's log lines of these requests by id, once every one is written (it logs when a
+        stream ends, which may be just after its client read the answer)."""
+        wanted = set(request_ids)
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = {line[0]: line for line in self.log_lines() if line[0] in wanted}
+            if len(lines) == len(wanted) or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.01)
+
     def close(self) -> None:
         self.haproxy.terminate()
         self.haproxy.wait(10)
@@ -432,17 +443,36 @@ def send_as_user(port: int, request_id: str, user: str | None) -> int:
     return status
 
 
+def wait_idle(fleet) -> None:
+    """Until HAProxy holds no request on any replica: it counts a request as outstanding until its
+    stream ends, which may be just after the client read the answer, and an outstanding one would
+    count against the replica's share (hash-balance-factor) for the next."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = fleet.admin.command("show stat").splitlines()
+        header = lines[0].lstrip("# ").split(",")
+        name, current = header.index("svname"), header.index("scur")
+        if all(row[current] in ("", "0") for row in (line.split(",") for line in lines[1:] if line)
+               if row[name].startswith("r")):
+            return
+        time.sleep(0.005)
+    raise AssertionError("HAProxy still holds requests")
+
+
 @needs_haproxy
 def test_each_users_requests_land_on_one_replica(fleet):
     """One request at a time (no replica is ever loaded past the factor): 12 users' requests, in
     turn, each user always on the same replica, the users spread over more than one."""
+    for i in range(len(fleet.replicas)):  # an earlier test may have restarted one
+        fleet.admin.wait_status(f"r{i}", "UP")
     sent = {}
     for n in range(4):
         for u in range(12):
             request_id = f"affinity-{u}-{n}"
+            wait_idle(fleet)
             assert send_as_user(fleet.port, request_id, f"user-{u}") == 200
             sent[request_id] = f"user-{u}"
-    log = {line[0]: line[1] for line in fleet.log_lines()}
+    log = {request_id: line[1] for request_id, line in fleet.logged(sent).items()}
     replicas: dict[str, set] = {}
     for request_id, user in sent.items():
         assert log[request_id].startswith("users/"), log[request_id]
@@ -467,5 +497,5 @@ def test_a_hot_user_spills_over_to_other_replicas(fleet):
     for t in threads:
         t.join(120)
     assert results == [200] * 48
-    served = [line[1] for line in fleet.log_lines() if line[0].startswith("hot-")]
+    served = [line[1] for line in fleet.logged(f"hot-{i}-{n}" for i in range(8) for n in range(6)).values()]
     assert len(served) == 48 and len(set(served)) > 1, served

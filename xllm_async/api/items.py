@@ -54,7 +54,8 @@ class ItemTable:
         self._hash = self._hash[self._by_hash]  # sorted, for look-ups by id
         self._leaf_of = leaf_of.astype(np.int32)
         self._leaf_items = leaf_items.astype(np.int32)
-        self._leaf_start = np.searchsorted(leaf_of[leaf_items], np.arange(trie.leaves + 1)).astype(np.int64)
+        self._leaf_start = np.searchsorted(leaf_of[leaf_items], np.arange(trie.leaves + 1)).astype(
+            np.int32 if self.count < 2**31 else np.int64)
 
     @property
     def item_length(self) -> int:

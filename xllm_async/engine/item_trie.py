@@ -8,7 +8,7 @@ node's leaves (the distinct token tuples, depth L) are one contiguous range.
 Per depth that is two integer arrays; no Python object per node. A round builds
 the allowed-token mask for its live beams only (expand), over the tokens that
 occur at that depth (`vocab[d]`: the LM head is computed over those rows of the
-output embedding only). 1.52M items of 4 codes from 8,192 take ~40 MB.
+output embedding only). 1.52M items of 4 codes from 8,192 take ~31 MB.
 
 A request may narrow the table (LeafFilter: only these leaves, or all but
 these): a node is then allowed only while one of its leaves is, so the search
@@ -72,6 +72,7 @@ class ItemTrie:
         new = np.zeros(count, dtype=bool)  # rows that start a new node at the depth being built
         new[0] = True
         node = np.zeros(count, dtype=np.int64)  # each row's node at the previous depth
+        index = np.int32 if count < 2**31 else np.int64  # node numbers: half the bytes where they fit
         for depth in range(self.length):
             tokens = leaves[:, depth]
             new = new.copy()
@@ -83,7 +84,7 @@ class ItemTrie:
             present[chosen] = True
             vocab = np.flatnonzero(present)
             column = (np.cumsum(present) - 1)[chosen]
-            self.first_child.append(np.searchsorted(parents, np.arange(len(self.column[-1]) + 1)).astype(np.int64))
+            self.first_child.append(np.searchsorted(parents, np.arange(len(self.column[-1]) + 1)).astype(index))
             self.column.append(column.astype(np.int32))
             self.vocab.append(torch.from_numpy(vocab.astype(np.int64)).to(device))
         self.device = device
