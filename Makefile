@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install kernels serve test test-stability model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy beams
+.PHONY: install kernels serve test test-stability fuzz model lint clean bench seed sweep offline ceiling soak peers profile trace haproxy beams
 
 install: $(STAMP) kernels model haproxy
 
@@ -50,6 +50,14 @@ test: install
 # (RUNS=, LOADED= change the counts). tests/stability.sh prints one line per run.
 test-stability:
 	bash tests/stability.sh
+
+# The fuzzers of tests/test_fuzz.py (API bodies, HTTP heads and framing, each beside a canary)
+# drawing fresh examples for FUZZ_MINUTES each (three tests: three times that in all); `make test`
+# runs a bounded, repeatable 100 each.
+FUZZ_MINUTES ?= 10
+fuzz: install
+	XLLM_FUZZ_SECONDS=$$(( $(FUZZ_MINUTES) * 60 )) XLLM_FUZZ_EXAMPLES=500 $(PY) -m pytest -q -s \
+		tests/test_fuzz.py $(PYTEST_ARGS)
 
 # --- benchmarks (perf/RESULTS.md says what each measured) ---
 

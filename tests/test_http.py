@@ -145,6 +145,59 @@ def test_headers_too_large_431(server):
     assert_error(status, body, 431)
 
 
+def send_in_pieces(port: int, head: bytes, piece: bytes, total: int) -> bytes:
+    """Send head, then piece after piece (each its own write) up to total bytes, then read until
+    the server closes. Sending stops early if the server has already answered and closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(head)
+        try:
+            for _ in range(total // len(piece)):
+                sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_a_header_value_streamed_in_pieces_gets_431_at_the_limit(server):
+    # The line never ends: llhttp never hands it over, so only counting bytes as they arrive sees it
+    # (without that, the value grew until the 30 s read timeout answered 408).
+    raw = send_in_pieces(server.port, b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ", b"a" * 8192, 1 << 20)
+    (status, body), = split_responses(raw)
+    assert_error(status, body, 431)
+
+
+def test_a_trailer_value_streamed_in_pieces_gets_431_at_the_limit(server):
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%b\r\n0\r\nx-trailer: " % (len(COMPLETION), COMPLETION))
+    raw = send_in_pieces(server.port, head, b"a" * 8192, 1 << 20)
+    (status, body), = split_responses(raw)
+    assert_error(status, body, 431)
+
+
+def test_a_head_under_the_limit_arriving_in_pieces_is_served(server):
+    data = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-big: " + b"a" * 60000 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(0, len(data), 1000):
+            sock.sendall(data[i:i + 1000])
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    assert split_responses(raw)[0][0] == 200
+
+
+def test_pipelined_bodies_larger_than_the_header_limit_are_not_counted_as_heads(server):
+    # Large bodies and the next request's head share reads: only a head's own bytes count.
+    body = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "user": "u" * 30000})
+    one = request("POST", "/v1/completions", body)
+    raw = raw_exchange(server.port, one * 5 + request("GET", "/health", extra="connection: close\r\n"))
+    assert [status for status, _ in split_responses(raw)] == [200] * 6
+
+
 def test_content_length_with_transfer_encoding_is_refused(server):
     data = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
             b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n")

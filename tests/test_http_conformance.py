@@ -20,6 +20,7 @@ xllm_async/http/protocol.py checks the rest in its callbacks.
 | Content-Length with Transfer-Encoding | 9112 §6.3 MUST close (MAY reject) | 400, close | test_malformed_framing_gets_400_and_a_close[cl-and-te*] |
 | invalid Content-Length, duplicates, lists | 9112 §6.3 MUST, 9110 §8.6 | 400, close | test_malformed_framing_gets_400_and_a_close[cl-*] |
 | Transfer-Encoding whose last coding is not chunked | 9112 §6.3 MUST | 400, close | test_malformed_framing_gets_400_and_a_close[te-*] |
+| empty elements in the Transfer-Encoding list | 9110 §5.6.1 MUST ignore | before chunked: served; after it: 400 from llhttp, close (never read as another framing) | test_empty_transfer_coding_elements_are_ignored |
 | a transfer coding we do not implement before chunked | 9112 §6.1 (SHOULD 501) | 501, close | test_an_unknown_transfer_coding_gets_501_and_a_close |
 | Transfer-Encoding in an HTTP/1.0 request | 9112 §6.1 MUST (faulty framing, close) | 400, close | test_transfer_encoding_on_http10_is_faulty_framing |
 | chunk extensions | 9112 §7.1.1 MUST ignore | served | test_chunk_extensions_are_ignored |
@@ -175,6 +176,18 @@ def test_an_unknown_transfer_coding_gets_501_and_a_close(server, coding):
     # The same codings on two field lines are one list.
     split = chunked(COMPLETION, coding=coding.split(b",")[0] + b"\r\ntransfer-encoding: chunked")
     answer_then_close(server.port, split, 501)
+
+
+@pytest.mark.parametrize("coding", [b",chunked", b", chunked", b" , ,chunked", b",\r\ntransfer-encoding: chunked"])
+def test_empty_transfer_coding_elements_are_ignored(server, coding):
+    (status, body), = split_responses(exchange(server.port, chunked(COMPLETION, coding=coding)))
+    assert status == 200 and orjson.loads(body)["choices"]
+
+
+@pytest.mark.parametrize("coding", [b"chunked, ", b"chunked,,"])
+def test_empty_transfer_coding_elements_after_chunked_get_400(server, coding):
+    # llhttp refuses these before our callbacks see them; the body is never read under another framing.
+    answer_then_close(server.port, chunked(COMPLETION, coding=coding) + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", 400)
 
 
 def test_transfer_encoding_on_http10_is_faulty_framing(server):

@@ -95,6 +95,24 @@ def test_api_key_guards_v1_routes_but_not_health(strict):
     assert get(strict.port, "/health")[0] == 200
 
 
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info", "/version", "/v1/models"])
+def test_api_key_guards_every_route_that_tells_about_the_deployment(strict, path):
+    # /server_info names the model's and the item table's paths: as much the key's to guard as /v1/.
+    status, body, _ = get(strict.port, path)
+    assert status == 401 and orjson.loads(body)["error"]["code"] == 401 and b"model" not in body.lower()
+    conn = http.client.HTTPConnection("127.0.0.1", strict.port, timeout=30)
+    conn.request("GET", path, headers=AUTH)
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
+def test_health_and_metrics_need_no_api_key(strict):
+    # A balancer's health check and a metrics scraper carry no key (as README says).
+    assert get(strict.port, "/health")[0] == 200
+    status, body, _ = get(strict.port, "/metrics")
+    assert status == 200 and b"xllm:" in body
+
+
 # --- overload ---
 
 def test_full_queue_gets_503_and_admitted_requests_finish(strict):

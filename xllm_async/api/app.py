@@ -31,6 +31,10 @@ log = logging.getLogger("xllm_async.api")
 _REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")  # echoed into a header: nothing that could break it
 _HEADER_LIST = re.compile(r"^[\w, -]{1,512}$")  # header names a preflight asks for, echoed likewise
 CORS_ORIGIN = b"access-control-allow-origin: *\r\n"
+# The routes anyone may call with XLLM_API_KEY set: a balancer's health check and a metrics scraper
+# carry no key. Every other route needs it: they serve the model or tell about the deployment
+# (/server_info names the model's and the item table's paths).
+OPEN_ROUTES = frozenset(("/health", "/metrics"))
 # How a sequence that ended without finishing is answered.
 _FAILURES = {"error": 500, "timeout": 408, "shutdown": 503}
 
@@ -97,7 +101,7 @@ class OpenAIApp:
                 allowed = ", ".join(methods)
                 raise ApiError(405, f"Method {request.method} not allowed on {request.path}; use {allowed}",
                                headers=f"allow: {allowed}\r\n".encode())
-            if self.api_key is not None and request.path.startswith("/v1/"):
+            if self.api_key is not None and request.path not in OPEN_ROUTES:
                 self._authorize(request)
             await handler(request, responder)
         except ApiError as error:

@@ -9,7 +9,7 @@ import orjson
 
 from ..engine.sampling import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
-from .fields import Fields, bad, is_int
+from .fields import Fields, bad, is_int, shown
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -219,7 +219,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         raise bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
     user = fields.raw("user")
     if user is not None and not isinstance(user, str):
-        raise bad("user", f"`user` must be a string, got {user!r}")
+        raise bad("user", f"`user` must be a string, got {shown(user)}")
     include_usage = stream and options.bool("include_usage", False)
     n = fields.int("n", 1, 1, model.max_n)
     if beam_width is None:
@@ -273,7 +273,7 @@ def _check_model(fields: Fields, model: ModelInfo) -> None:
     name = fields.raw("model")
     if name is not None and name != model.name:
         if not isinstance(name, str):
-            raise bad("model", f"`model` must be a string, got {name!r}")
+            raise bad("model", f"`model` must be a string, got {shown(name)}")
         raise ApiError(404, f"The model `{name}` does not exist.", param="model")
 
 
@@ -292,7 +292,7 @@ def _check_unsupported(body: dict) -> None:
         if not (_is_number(value) if _is_number(neutral) else type(value) is type(neutral)):
             kind = {int: "a number", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
                     list: "a list"}[type(neutral)]
-            raise bad(name, f"`{name}` must be {kind}, got {value!r}")
+            raise bad(name, f"`{name}` must be {kind}, got {shown(value)}")
         if value != neutral:
             raise bad(name, f"`{name}` is not supported by this server (only {neutral!r} is accepted)")
 
@@ -375,12 +375,12 @@ def _chat_message(message, i: int) -> dict:
     what the chat template gets: role, content as text, and name if given."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
-        raise bad(where, f"`{where}` must be an object, got {message!r}")
+        raise bad(where, f"`{where}` must be an object, got {shown(message)}")
     role = message.get("role")
     if role is None:
         raise bad(f"{where}.role", f"Missing required parameter: '{where}.role'.")
     if role not in ROLES:  # (a non-string is not among them either)
-        raise bad(f"{where}.role", f"Invalid value: {role!r}. Supported values are: "
+        raise bad(f"{where}.role", f"Invalid value: {shown(role)}. Supported values are: "
                                    + ", ".join(f"'{r}'" for r in ROLES) + ".")
     content = message.get("content")
     if content is None:
@@ -395,7 +395,7 @@ def _chat_message(message, i: int) -> dict:
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
-            raise bad(f"{where}.name", f"`{where}.name` must be a string, got {name!r}")
+            raise bad(f"{where}.name", f"`{where}.name` must be a string, got {shown(name)}")
         plain["name"] = name
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise bad(f"{where}.tool_call_id", f"Missing required parameter: '{where}.tool_call_id' (a string).")
@@ -436,7 +436,7 @@ def _message_text(content, where: str) -> str:
             raise bad(f"{where}[{j}]", f"`{where}[{j}]` must be an object")
         kind = part.get("type")
         if kind != "text":
-            raise bad(f"{where}[{j}].type", f"Content parts of type {kind!r} are not supported by this server; "
+            raise bad(f"{where}[{j}].type", f"Content parts of type {shown(kind)} are not supported by this server; "
                                             "send {\"type\": \"text\", \"text\": ...}")
         if not isinstance(part.get("text"), str):
             raise bad(f"{where}[{j}].text", f"`{where}[{j}].text` must be a string")

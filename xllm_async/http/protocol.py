@@ -92,7 +92,7 @@ class HttpProtocol(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._client = ""
-        self._pipeline: deque = deque()  # HttpRequest or ApiError, waiting their turn
+        self._pipeline: deque = deque()  # HttpRequest or Refusal, waiting their turn
         self._current: Responder | None = None
         self._task: asyncio.Task | None = None
         self._reading_paused = False
@@ -110,7 +110,15 @@ class HttpProtocol(asyncio.Protocol):
         self._accepted_at = 0.0
         self._receiving = False  # a request has begun and is not complete yet
         self._requests = 0  # requests begun on this connection
-        self._header_bytes = 0
+        self._header_bytes = 0  # a request's field lines, counted as llhttp completes them
+        # Field sections (a head, a chunked body's trailers) counted as their bytes arrive: llhttp
+        # hands over a field line only once it ends, and httptools grows the line's value piece by
+        # piece until then (a value streamed in pieces would cost quadratic time, and memory, until
+        # the read timeout). _section numbers the sections, so a read is counted only when the
+        # parser was inside one section from its start to its end.
+        self._in_fields = False
+        self._section = 0
+        self._field_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
 
@@ -170,6 +178,7 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stop_reading:
             return
+        section, within, idle = self._section, self._in_fields, not self._receiving
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -177,10 +186,29 @@ class HttpProtocol(asyncio.Protocol):
             if isinstance(cause, StopParsing):
                 return
             self._fail(cause if isinstance(cause, ApiError) else ApiError(400, "Malformed HTTP request"))
+            return
         except httptools.HttpParserUpgrade:
             self._stop_reading = True  # we speak HTTP/1.1 only; answer what came, then close
+            return
         except httptools.HttpParserError as exc:
             self._fail(parse_error(exc))
+            return
+        if self._in_fields:  # a field section is still open after this read
+            self._count_field_bytes(data, section, within, idle)
+
+    def _count_field_bytes(self, data: bytes, section: int, within: bool, idle: bool) -> None:
+        if within and self._section == section:
+            size = len(data)  # the whole read belongs to the section that was open
+        elif idle and self._section == section + 1:
+            size = len(data.lstrip(b"\r\n"))  # a request began in it: all its head (llhttp skips empty lines)
+        else:
+            # The section began after other content of this read, at an offset llhttp does not
+            # tell: counted from the next read on (this one is at most the transport's read size).
+            return
+        self._field_bytes += size
+        if self._field_bytes > MAX_HEADER_BYTES:
+            self._in_fields = False
+            self._fail(ApiError(431, f"Request line and headers larger than {MAX_HEADER_BYTES} bytes"))
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -223,6 +251,9 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers = self._fields = {}
         self._header_bytes = 0
+        self._field_bytes = 0
+        self._in_fields = True
+        self._section += 1
         self._body = []
         self._body_size = 0
 
@@ -244,6 +275,7 @@ class HttpProtocol(asyncio.Protocol):
         fields[key] = text
 
     def on_headers_complete(self) -> None:
+        self._in_fields = False
         headers = self._headers
         version = self._parser.get_http_version()
         if version == "1.1":
@@ -277,8 +309,9 @@ class HttpProtocol(asyncio.Protocol):
         if not self._http11:
             # RFC 9112 §6.1: faulty framing in an HTTP/1.0 message; the connection cannot go on.
             raise ApiError(400, "Transfer-Encoding in an HTTP/1.0 request")
-        codings = coding.lower().split(",")
-        if codings[-1].strip() != "chunked":
+        # Empty list elements are ignored (RFC 9110 §5.6.1): ", chunked" is chunked.
+        codings = [c.strip() for c in coding.lower().split(",") if c.strip()]
+        if not codings or codings[-1] != "chunked":
             # RFC 9112 §6.3: the body's length cannot be known (llhttp lets some of these through).
             raise ApiError(400, f"Transfer-Encoding {coding!r} does not end with chunked")
         if len(codings) > 1:
@@ -286,13 +319,24 @@ class HttpProtocol(asyncio.Protocol):
             raise ApiError(501, f"Transfer-Encoding {coding!r} is not supported; send chunked alone")
         self._fields = {}  # trailer fields are parsed, never merged into the headers (RFC 9110 §6.5.1)
 
+    def on_chunk_header(self) -> None:
+        # A chunk's data follows, or (after the last chunk) the trailer section: a data chunk's
+        # on_body ends the section at once, trailers keep it open until the message completes.
+        self._in_fields = True
+        self._section += 1
+
+    def on_chunk_complete(self) -> None:
+        self._in_fields = False
+
     def on_body(self, body: bytes) -> None:
+        self._in_fields = False
         self._body_size += len(body)
         if self._body_size > self._max_body:
             raise ApiError(413, f"Request body larger than {self._max_body} bytes")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_fields = False
         self._deadline_kind = ""  # the handler owns the time from here
         self._receiving = False
         parser = self._parser
@@ -326,13 +370,17 @@ class HttpProtocol(asyncio.Protocol):
     def _fail(self, error: ApiError) -> None:
         """A request we cannot parse: answer it in its turn, then close."""
         self._stop_reading = True
-        self._enqueue(error)
+        # An answer to HEAD has no content, even an error's (RFC 9110 §9.3.2): a client reading it
+        # by its Content-Length would take the content for the next response. (llhttp reports
+        # the method once its token is read; before that, it says none is HEAD.)
+        self._enqueue(Refusal(error, self._receiving and self._parser.get_method() == b"HEAD"))
 
     def _start(self, entry) -> None:
-        if isinstance(entry, ApiError):
+        if isinstance(entry, Refusal):
+            error = entry.error
             self._request = None
-            self._current = Responder(self, keep_alive=False, http11=True)
-            self._current.send(entry.status, entry.body(), headers=entry.headers)
+            self._current = (HeadResponder if entry.head else Responder)(self, keep_alive=False, http11=True)
+            self._current.send(error.status, error.body(), headers=error.headers)
             return
         last = self._stop_reading and not self._pipeline  # reading stopped, nothing after it
         responder = (Responder if entry.method != "HEAD" else HeadResponder)(
@@ -427,6 +475,16 @@ class HttpProtocol(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self._transport.close()
+
+
+class Refusal:
+    """The answer to a request that could not be parsed, waiting its turn."""
+
+    __slots__ = ("error", "head")
+
+    def __init__(self, error: ApiError, head: bool) -> None:
+        self.error = error
+        self.head = head  # the request was a HEAD: the answer has no content
 
 
 class StopParsing(Exception):
