@@ -89,9 +89,8 @@ class Service:
         self.slots = start_slots(self.runner.device, num_slots,
                                  settings.torch_threads, settings.slot_nice)
         self._capture_graphs(settings.graph_max_tokens)
-        warm_up = getattr(runner, "warm_up", None)
-        if warm_up is not None and self.runner.device.type == "cpu":
-            warm_up(settings.max_tokens_per_batch,
+        if self.runner.device.type == "cpu":
+            self.runner.warm_up(settings.max_tokens_per_batch,
                     {n for slot in self.slots for n in (slot.binding.cpu_threads, slot.binding.all_threads)})
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
@@ -176,8 +175,8 @@ class Service:
     def _capture_graphs(self, max_tokens: int) -> None:
         """On accelerators, each slot captures its graphs on its own thread and stream, one slot
         after another (a capture must not meet another thread's allocations)."""
-        capture = getattr(self.runner, "capture_graphs", None)
-        if capture is None or not max_tokens or self.runner.device.type == "cpu":
+        capture = self.runner.capture_graphs
+        if not max_tokens or self.runner.device.type == "cpu":
             return
         for slot in self.slots:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from .request import Delta, EngineRequest
+from .runner import Runner
 from .sampling import sample
 
 Items = list[tuple[EngineRequest, Delta]]
@@ -22,7 +23,7 @@ class GenerationBatch:
 
     __slots__ = ("runner", "requests", "kv", "_next_tokens", "_metrics")
 
-    def __init__(self, runner, requests: list[EngineRequest], metrics=None) -> None:
+    def __init__(self, runner: Runner, requests: list[EngineRequest], metrics=None) -> None:
         self.runner = runner
         self.requests = requests
         self.kv = None

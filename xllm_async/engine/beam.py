@@ -24,8 +24,8 @@ import time
 import numpy as np
 import torch
 
-from ..model import cpu_kernels
 from .request import Delta, QueuedRequest
+from .runner import Runner
 
 # Vocabulary columns a beam round without an item table takes at a time (BeamSearchBatch._row_tops).
 # A fixed width, never one derived from the batch's rows: a beam's scores must not depend on which
@@ -109,7 +109,7 @@ class BeamSearchBatch:
 
     __slots__ = ("runner", "requests", "groups", "state", "_metrics")
 
-    def __init__(self, runner, requests: list[BeamRequest], metrics=None) -> None:
+    def __init__(self, runner: Runner, requests: list[BeamRequest], metrics=None) -> None:
         self.runner = runner
         self.requests = requests
         self.groups: list[_Group] = []
@@ -295,7 +295,7 @@ class BeamSearchBatch:
         block = max(LOGITS_BLOCK_COLUMNS, max(k for _, _, k in spans))
         tops: list[list] = [[] for _ in spans]
         sums = []
-        fused = cpu_kernels.topk_logsumexp()
+        fused = self.runner.topk_logsumexp()
         for start in range(0, vocab_size, block):
             end = min(vocab_size, start + block)
             logits = self.runner.logits(hidden, as_float=False, columns=(start, end))

@@ -21,13 +21,16 @@ class BatchBudget:
     request is beam_width rows of its prompt and rounds.
     """
 
-    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens")
+    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens", "shared_beam_prompts")
 
-    def __init__(self, max_seqs: int, max_tokens: int, packed: bool = False, kv_tokens: int = 0) -> None:
+    def __init__(self, max_seqs: int, max_tokens: int, packed: bool = False, kv_tokens: int = 0,
+                 shared_beam_prompts: bool | None = None) -> None:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.packed = packed
         self.kv_tokens = kv_tokens
+        # Runner.shares_beam_prompts (by default, as our packed engine does).
+        self.shared_beam_prompts = packed if shared_beam_prompts is None else shared_beam_prompts
 
     def take(self, waiting: deque, seqs_in_use: int = 0, limit: int = 0,
              cache_in_use: tuple[int, int] = (0, 0)) -> list:
@@ -78,7 +81,7 @@ class BatchBudget:
 
     def _cache_shape(self, request) -> tuple[int, int, int, int]:
         """(rectangle rows, tokens a row, own rows, own tokens) a request adds to a slot's cache."""
-        if self.packed or not request.own_rows:
+        if self.shared_beam_prompts or not request.own_rows:
             return 1, request.cache_tokens, request.own_rows, request.own_tokens
         return request.own_rows, request.cache_tokens + request.own_tokens, 0, 0
 

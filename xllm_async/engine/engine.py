@@ -11,6 +11,7 @@ from .budget import BatchBudget
 from .continuous import ContinuousScheduler
 from .fixed_steps import FixedStepsBatcher
 from .request import Delta, QueuedRequest
+from .runner import Runner
 
 log = logging.getLogger("xllm_async.engine")
 
@@ -28,7 +29,7 @@ class CacheTooSmall(ValueError):
 
 
 class Engine:
-    def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
+    def __init__(self, runner: Runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
                  max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
         self.runner = runner
         self.slots = slots
@@ -37,7 +38,8 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.unfinished: set[QueuedRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
-        self.budget = budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed, runner.kv_tokens)
+        self.budget = budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed,
+                                           runner.kv_tokens, runner.shares_beam_prompts)
         if scheduler == "continuous":
             # One batch in flight: the continuous baseline uses the first slot only.
             self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)

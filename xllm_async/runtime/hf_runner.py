@@ -17,10 +17,10 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..engine.sampling import score_prompt
+from ..model.scoring import score_prompt
+from .checkpoint import eos_ids, resolve_dtype
 from .device import default_kv_cache_bytes
 from .host_memory import pack_weights
-from .model_runner import eos_ids, resolve_dtype
 
 log = logging.getLogger("xllm_async.model")
 
@@ -82,6 +82,7 @@ class TransformersRunner:
 
     engine = "transformers"
     packed = False  # left-padded: a batch costs rows x its longest prompt
+    shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
     kv_tokens = 0  # until set_kv_cache: no budget
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
@@ -109,6 +110,16 @@ class TransformersRunner:
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s, %s, vocab %d, context %d",
                  self.load_seconds, config.model_type, self.dtype, self.vocab_size, self.max_model_len)
+
+    def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
+        """Nothing to compile ahead: transformers runs torch's own operators."""
+
+    def capture_graphs(self, max_rows: int, capture=None) -> None:
+        """No graphs: transformers' forward runs eagerly."""
+        return None
+
+    def topk_logsumexp(self) -> None:
+        return None
 
     def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
         """transformers' caches grow by concatenation, with no arena: the budget is what admission

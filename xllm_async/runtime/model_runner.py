@@ -20,41 +20,19 @@ import time
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..engine.sampling import score_prompt  # (a leaf module: tensors in, numbers out)
 from ..model import cpu_kernels, gpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
 from ..model.layers import WARM_FROM, linear_packing, pack_linears, warm_onednn
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
-from .device import default_kv_cache_bytes, fast_cpu_dtype, graph_capture
+from ..model.scoring import score_prompt
+from .checkpoint import eos_ids, resolve_dtype
+from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
 from .host_memory import one_intra_op_thread, pack_weights
 
 log = logging.getLogger("xllm_async.model")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """auto: on CPU the fastest the CPU has (device.fast_cpu_dtype), elsewhere the checkpoint's own."""
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return fast_cpu_dtype()
-    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return DTYPES.get(str(own).removeprefix("torch."), torch.float32)
-
-
-def eos_ids(tokenizer, *sources) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
 
 def linear_name(packing: str, dtype: torch.dtype) -> str:
     """What start-up logs for the packed linear layers."""
@@ -71,6 +49,7 @@ class ModelRunner:
 
     engine = "native"
     packed = True  # prompts cost their own tokens, not the longest one's
+    shares_beam_prompts = True  # a beam search keeps its prompt's cache once (BeamState)
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
         started = time.monotonic()
@@ -241,6 +220,12 @@ class ModelRunner:
                columns: tuple[int, int] | None = None) -> torch.Tensor:
         """The LM head over the whole vocabulary, only these token ids, or the columns [start, end)."""
         return self.model.logits(hidden, tokens, as_float, columns)
+
+    def topk_logsumexp(self):
+        """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (engine/runner.py)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        return cpu_kernels.topk_logsumexp()
 
 
 class BeamState:
