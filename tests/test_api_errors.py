@@ -208,3 +208,19 @@ def test_long_text_is_tokenized_off_the_event_loop():
         assert (await task).prompts == [[1, 2, 3]]
 
     asyncio.run(main())
+
+
+DEEP = b"[" * 990 + b"]" * 990  # deeper than repr() goes: quoted whole, it made the 400 a 500
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", b'{"messages": ' + DEEP + b"}", "messages[0]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": ' + DEEP + b', "content": "hi"}]}', "messages[0].role"),
+    ("/v1/completions", b'{"prompt": [1], "max_tokens": ' + DEEP + b"}", "max_tokens"),
+    ("/v1/completions", b'{"prompt": [1], "user": ' + DEEP + b"}", "user"),
+    ("/v1/completions", b'{"prompt": [1], "model": ' + DEEP + b"}", "model"),
+])
+def test_a_deeply_nested_value_gets_400_with_a_short_message(server, path, body, param):
+    status, answer, _ = post(server.port, path, body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and len(answer["error"]["message"]) < 300

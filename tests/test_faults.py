@@ -13,7 +13,8 @@ from xllm_async.config import Settings
 from xllm_async.runtime.model_runner import ModelRunner
 from xllm_async.service import Service
 
-from .client import post
+from .client import post, stream_events
+from .hold import wait_until
 
 POISON = 4242  # a prompt holding this token id makes the forward raise
 
@@ -53,7 +54,9 @@ async def test_a_failing_forward_fails_only_its_batch(faulty_runner, tiny_model_
                                                               "ignore_eos": True}) for n in range(5, 9)])
         assert all(s == 200 and b["usage"]["completion_tokens"] == 3 for s, b, _ in results)
         assert service.engine.unfinished == set()
-        assert all(slot.batches_run >= 2 for slot in service.slots)
+        # A slot counts its batch once the batch's answers are delivered: a moment after the client has them.
+        await asyncio.to_thread(wait_until, lambda: all(slot.batches_run >= 2 for slot in service.slots),
+                                what="the batches counted")
     finally:
         await service.shutdown()
 
@@ -88,6 +91,37 @@ async def test_a_failing_decode_step_answers_500_mid_stream_too(faulty_runner, t
             del faulty_runner.prefill
         assert deltas[0].token_id == POISON
         assert deltas[-1].finish_reason == "error" and "decode failed" in deltas[-1].error
+        status, _, _ = await asyncio.to_thread(post, service.http.port, "/v1/completions",
+                                               {"prompt": [1, 2], "max_tokens": 2})
+        assert status == 200
+    finally:
+        await service.shutdown()
+
+
+async def test_a_stream_whose_generation_fails_ends_with_an_error_event(faulty_runner, tiny_model_dir):
+    # Over HTTP: the status (200) is out with the first token; the failure that follows is told in
+    # the stream itself, an OpenAI error object as an event, then [DONE].
+    settings = Settings(model=tiny_model_dir, port=0, concurrent_execute_stream_num=1, access_log="off")
+    service = Service(settings, runner=faulty_runner)
+    await service.start()
+    original = faulty_runner.prefill
+
+    def prefill_then_poison(prompts, capacity=0, into=None):
+        logits, kv = original(prompts, capacity, into)
+        logits[:, POISON] = 1e9  # the first token is POISON, so the first decode raises
+        return logits, kv
+
+    faulty_runner.prefill = prefill_then_poison
+    try:
+        events = await asyncio.to_thread(stream_events, service.http.port, "/v1/completions",
+                                         {"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    finally:
+        del faulty_runner.prefill
+    try:
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == 500 and error["type"] == "InternalServerError" and "decode failed" in error["message"]
+        assert all("choices" in e for e in events[:-2])  # the token before the failure came as a chunk
         status, _, _ = await asyncio.to_thread(post, service.http.port, "/v1/completions",
                                                {"prompt": [1, 2], "max_tokens": 2})
         assert status == 200

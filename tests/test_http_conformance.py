@@ -28,7 +28,7 @@ xllm_async/http/protocol.py checks the rest in its callbacks.
 | "close" connection option | 9112 §9.6 MUST close, MUST NOT process later requests | answered, then closed | test_no_request_after_connection_close_is_processed |
 | pipelined responses in order | 9112 §9.3.2 MUST | in order | test_http.py::test_pipelined_requests_answer_in_order |
 | 100-continue in HTTP/1.0 | 9110 §10.1.1 MUST ignore | no 100 | test_http10_expect_100_continue_is_ignored |
-| GET and HEAD supported; no content in a HEAD answer | 9110 §9.1, §9.3.2 MUST | headers only | test_head_gets_the_headers_and_no_content |
+| GET and HEAD supported; no content in a HEAD answer | 9110 §9.1, §9.3.2 MUST | headers only, an error's too | test_head_gets_the_headers_and_no_content, test_a_refused_head_gets_headers_only |
 | Date on every answer | 9110 §6.6.1 MUST | date header | test_every_answer_carries_a_date |
 | no Transfer-Encoding to an HTTP/1.0 client | 9112 §6.1 MUST NOT | close-delimited stream | test_a_stream_to_http10_is_close_delimited |
 | a request cut short by the client's FIN | 9112 §8 (incomplete message) | 400, close | test_a_request_cut_short_by_a_half_close_gets_400 |
@@ -232,6 +232,17 @@ def test_head_gets_the_headers_and_no_content(server):
     assert models.startswith(b"HTTP/1.1 200") and b"content-length: " in models
     assert models.split(b"\r\n")[1:3] == get_raw.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:3]  # type, length
     assert rest.startswith(b"HTTP/1.1 404") and rest.endswith(b"\r\n\r\n")  # the next answer, no content
+
+
+@pytest.mark.parametrize("data", [b"HEAD /health HTTP/1.1\r\n\r\n", b"HEAD /health HTTP/1.1\r\nhost: a b\r\n\r\n",
+                                  b"HEAD /health HTTP/1.1\r\nhost: x\r\nx: " + b"a" * 70000 + b"\r\n\r\n"],
+                         ids=["no-host", "bad-host", "431"])
+def test_a_refused_head_gets_headers_only(server, data):
+    # (found by tests/test_fuzz.py: the error's content followed, to be read as the next response)
+    raw = exchange(server.port, data)
+    head, _, content = raw.partition(b"\r\n\r\n")
+    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")) and b"content-length: " in head
+    assert content == b""
 
 
 def test_every_answer_carries_a_date(server):

@@ -5,8 +5,11 @@ whole batch to end; short batches and beam searches still run to completion."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
+
+import orjson
 
 from .client import post
 from .hold import wait_until
@@ -57,4 +60,8 @@ def test_a_request_joins_a_running_long_generation_at_its_next_step(servers, ref
             assert chunk, "LONG's stream ended early"
             data += chunk
         sock.close()
+    # LONG's tokens after SHORT joined its batch are still its own: the whole text equals generate()'s.
+    events = [orjson.loads(e) for e in re.findall(rb"data: (\{.*?\})\n\n", data)]
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert text == reference.tokenizer.decode(reference(LONG["prompt"], LONG["max_tokens"]), skip_special_tokens=True)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import select
 import socket
 import struct
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
@@ -21,17 +21,20 @@ from .test_observability import sample_value, scrape
 KEY = "s3cret-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 LONG = {"prompt": [11] * 10, "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+# The strict server's and the slow readers' socket buffers, set explicitly: what the kernel would
+# size itself (net.ipv4.tcp_wmem, tcp_rmem) can hold a whole stream on some hosts.
+SEND_BUFFER = 16384
 # Whatever keeps a slot busy is held there (server.hold), never sized to outlast a timeout.
 HOLDER = {"prompt": [11] * 10, "max_tokens": 3, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def strict(tiny_model_dir):
-    """One slot, a tiny queue, short timeouts and an API key."""
+    """One slot, a tiny queue, short timeouts, small send buffers and an API key."""
     server = ServerProcess(["--model", tiny_model_dir, "--concurrent-execute-stream-num", "1",
                             "--max-queued-requests", "32", "--queue-timeout", "2", "--read-timeout", "1",
                             "--keep-alive-timeout", "1.5", "--write-timeout", "1", "--api-key", KEY,
-                            "--max-connections", "64"])
+                            "--max-connections", "64", "--send-buffer-bytes", str(SEND_BUFFER)])
     yield server
     server.stop()
 
@@ -237,9 +240,10 @@ def test_requests_whose_clients_left_free_their_queue_places_at_once(strict):
 
 def test_stream_whose_client_stops_reading_is_ended(strict):
     before = aborts(strict)
-    # 32 x 190 events with 20 logprobs each are over 10 MB: far more than the socket buffers
-    # hold. The decode is held after them, so the server must find the client stopped reading
-    # while the generation is still unfinished, however fast the machine computes.
+    # 32 x 190 events with 20 logprobs each are over 10 MB: far more than the socket buffers hold
+    # (set small on both ends: SEND_BUFFER on the server's, 4 KB on the client's). The decode is
+    # held after them, so the server must find the client stopped reading while the generation is
+    # still unfinished, however fast the machine computes.
     with strict.hold("decode", passes=190):
         sock = open_stream(strict.port, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
                                          "n": 32, "logprobs": True, "top_logprobs": 20, "ignore_eos": True,
@@ -253,10 +257,14 @@ def test_stream_whose_client_stops_reading_is_ended(strict):
 
 
 def test_slowloris_headers_get_408(strict):
-    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+    # Header lines keep coming, one at a time, and the request never completes: bytes arriving do
+    # not extend the 1 s read timeout. (The pause between lines only paces the trickle; the 60 s
+    # socket timeout is the guard against a server that never answers.)
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
-        time.sleep(0.5)
-        sock.sendall(b"x-slow: 1\r\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while not select.select([sock], [], [], 0.1)[0]:  # until the server answers
+                sock.sendall(b"x-slow: 1\r\n")
         data = b""
         while chunk := sock.recv(4096):
             data += chunk

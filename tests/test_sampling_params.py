@@ -51,13 +51,23 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server, reference):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
 
 
-def test_eos_ends_generation_unless_ignored(server, tiny_model_dir):
-    # A prompt whose greedy continuation is EOS: put the EOS id in stop_token_ids' place by using the real EOS.
-    eos = 151645  # <|im_end|>
-    body = complete(server.port, PROMPT, 6, stop_token_ids=[], ignore_eos=True)
-    assert body["usage"]["completion_tokens"] == 6
-    body = complete(server.port, PROMPT, 6, stop_token_ids=[eos])
-    assert body["usage"]["completion_tokens"] <= 6
+# A prompt whose greedy next token on the tiny model is its EOS, <|im_end|> (found by searching the
+# model's next-token scores position by position; the test checks it still is).
+EOS_PROMPT = [101189, 110450, 5953, 74478]
+EOS = 151645
+
+
+def test_eos_ends_generation_unless_ignored(server, reference):
+    assert reference(EOS_PROMPT, 1) == [EOS]
+    body = complete(server.port, EOS_PROMPT, 6, ignore_eos=False)
+    choice = body["choices"][0]
+    # Stopped by EOS, before max_tokens: the EOS counts as generated, and its text is not shown.
+    assert choice["finish_reason"] == "stop" and choice["text"] == ""
+    assert body["usage"]["completion_tokens"] == 1
+    body = complete(server.port, EOS_PROMPT, 6, ignore_eos=True)
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 6
+    expected = reference(EOS_PROMPT, 6)
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_seeded_sampling_is_reproducible_and_n_choices_differ(any_server):

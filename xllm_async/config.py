@@ -43,6 +43,7 @@ class Settings:
     read_timeout: float = 30.0
     keep_alive_timeout: float = 30.0
     write_timeout: float = 30.0
+    send_buffer_bytes: int = 0
     drain_timeout: float = 30.0
     api_key: str | None = None
     max_beam_width: int = 128
@@ -169,8 +170,12 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "read_timeout": (_seconds, "seconds a request may take to arrive whole (slow senders get 408)"),
     "keep_alive_timeout": (_seconds, "seconds an idle keep-alive connection stays open"),
     "write_timeout": (_seconds, "seconds a client may stop reading a stream before it is dropped"),
+    "send_buffer_bytes": (_int_range(0), "kernel send buffer of each connection (SO_SNDBUF): what a client "
+                                         "that stops reading holds before the write timeout starts; "
+                                         "0 = the kernel's own sizing (net.ipv4.tcp_wmem)"),
     "drain_timeout": (_seconds, "on SIGTERM/SIGINT, seconds to finish admitted requests before exiting"),
-    "api_key": (_optional(_text), "if set, /v1/ routes need `Authorization: Bearer <key>`"),
+    "api_key": (_optional(_text), "if set, every route but /health and /metrics needs "
+                                  "`Authorization: Bearer <key>`"),
     "max_beam_width": (_int_range(1, 1024), "largest `beam_width` of a beam (recommendation) request"),
     "max_num_return_sequences": (_int_range(1, 1024), "largest `num_return_sequences` of a beam request"),
     "max_beam_rounds": (_int_range(1), "largest `max_tokens` (rounds) of a beam request; its beams' own caches "

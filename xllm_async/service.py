@@ -117,7 +117,7 @@ class Service:
         }
         self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key, self.items)
         limits = HttpLimits(settings.max_body_bytes, settings.max_connections, settings.read_timeout,
-                            settings.keep_alive_timeout, settings.write_timeout)
+                            settings.keep_alive_timeout, settings.write_timeout, settings.send_buffer_bytes)
         self.http = HttpServer(self.app, limits, self.app.on_response)
         self.metrics.add(Gauge("http_connections_open", "Open client connections.",
                                lambda: len(self.http.connections)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -42,15 +43,16 @@ HOST = re.compile(r"(?:\[[0-9A-Za-z:.]+\]|[0-9A-Za-z\-._~!$&'()*+,;=%]*)(?::[0-9
 class HttpLimits:
     """Sizes and timeouts that protect the server from its clients."""
 
-    __slots__ = ("max_body", "max_connections", "read_timeout", "keep_alive_timeout", "write_timeout")
+    __slots__ = ("max_body", "max_connections", "read_timeout", "keep_alive_timeout", "write_timeout", "send_buffer")
 
     def __init__(self, max_body: int = 16 << 20, max_connections: int = 2048, read_timeout: float = 30.0,
-                 keep_alive_timeout: float = 30.0, write_timeout: float = 30.0) -> None:
+                 keep_alive_timeout: float = 30.0, write_timeout: float = 30.0, send_buffer: int = 0) -> None:
         self.max_body = max_body
         self.max_connections = max_connections
         self.read_timeout = read_timeout  # a request must arrive whole within this (slowloris)
         self.keep_alive_timeout = keep_alive_timeout  # an idle connection is closed after this
         self.write_timeout = write_timeout  # a client that stops reading a stream is dropped after this
+        self.send_buffer = send_buffer  # SO_SNDBUF of each connection; 0: the kernel sizes it
 
 
 class HttpRequest:
@@ -135,6 +137,10 @@ class HttpProtocol(asyncio.Protocol):
             transport.write_eof()
             self._loop.call_later(1.0, transport.abort)
             return
+        if self._limits.send_buffer:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._limits.send_buffer)
         peer = transport.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
         self._connections.add(self)
