@@ -24,6 +24,8 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP re-reads the item table, as nginx and HAProxy reload their configuration.
+    loop.add_signal_handler(signal.SIGHUP, service.reload_items_soon)
     await stop.wait()
     await service.shutdown()
 

@@ -4,6 +4,7 @@
 #   deploy/replicas.sh start [K]    K replicas (default 8): device i on port BASE_PORT+i, HAProxy on LISTEN
 #   deploy/replicas.sh restart      rolling restart: one replica at a time, SIGTERM, wait, start, wait healthy
 #   deploy/replicas.sh stop         SIGTERM everything (each replica drains first)
+#   deploy/replicas.sh reload       SIGHUP every replica: each re-reads XLLM_ITEM_TABLE (a bad file keeps the old)
 #
 # Environment: DEVICE_KIND (cuda, npu or cpu; default cuda), BASE_PORT (8001), LISTEN (127.0.0.1:8000),
 # RUN_DIR (/tmp/xllm-replicas: logs, pids, haproxy.cfg), PYTHON (.venv/bin/python), and any XLLM_*
@@ -68,13 +69,18 @@ case "${1:-}" in
             echo "replica $i restarted"
         done
         ;;
+    reload)
+        for i in $(replicas); do
+            kill -HUP "$(cat "$RUN_DIR/replica-$i.pid")" && echo "replica $i: item table reload asked (see its log)"
+        done
+        ;;
     stop)
         for i in $(replicas); do stop_replica "$i" & done
         wait
         [ -f "$RUN_DIR/haproxy.pid" ] && kill -TERM "$(cat "$RUN_DIR/haproxy.pid")" 2>/dev/null || true
         ;;
     *)
-        sed -n '2,12p' "$0"
+        sed -n '2,13p' "$0"
         exit 2
         ;;
 esac

@@ -23,7 +23,16 @@ perf/bench_serving.py's writer into perf/results/beams/.
 2. `--throughput`: a fresh server with the table; `--throughput-concurrency` (8) clients send
    `--throughput-prompts` requests of width `--throughput-width` (128): req/s, items/s, P99
    latency, the share of asked items returned, the invalid ones, and the peak extra memory.
-3. `--widest`: a fresh server without the table; width `--widest-width` (512) on a
+3. `--catalogues 5000x3x256,100000x3x256,1520000x4x8192`: the item table at catalogue scale
+   (items x codebooks x codes, drawn at random; written with numpy into perf/results/beams/).
+   A fresh server without a table, then one per catalogue: seconds from the process's start to
+   /health, resident memory once ready (minus the server without a table's), median latency of
+   `--catalogue-width` (128) beams on `--prompt-tokens` prompts (the no-table server's too),
+   and the time a SIGHUP reload of the same file takes (until the load counter moves). Then
+   `--catalogue-load-prompts` (64) requests from 8 clients while the table is reloaded 3 times
+   (the same file, a bad file in its place, the same file again): failed requests, median and
+   P99 against the same load without reloads.
+4. `--widest`: a fresh server without the table; width `--widest-width` (512) on a
    `--widest-prompt-tokens` (2,000) token prompt must complete: its latency and extra memory.
 
 The markdown tables are printed; every row goes to perf/results/beams/<time>.csv and the rows
@@ -269,6 +278,132 @@ def run_throughput(setup: Setup, args: argparse.Namespace) -> dict:
             "items_returned": metrics["items_returned"], "invalid_items": metrics["invalid_items"]}
 
 
+def write_catalogue(path: str, items: int, codebooks: int, codes: int, base: int, seed: int) -> None:
+    """`items` random semantic ids (codebook c's code k is token base + c * codes + k), written with
+    numpy: a Python dict of 1.5M tuples would take the client longer than the server."""
+    import numpy as np
+
+    if os.path.exists(path):
+        return
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, codes, (items, codebooks)) + base + codes * np.arange(codebooks)
+    with open(path + ".tmp", "w") as f:
+        f.write(f"# {items} items, {codebooks} codebooks x {codes} codes from token {base} (perf/beams.py)\n")
+        for start in range(0, items, 100_000):
+            rows = tokens[start:start + 100_000].tolist()
+            f.write("".join(f"item-{start + i}\t{' '.join(map(str, row))}\n" for i, row in enumerate(rows)))
+    os.replace(path + ".tmp", path)
+
+
+def reload_seconds(up) -> float:
+    """SIGHUP the server, then the seconds until its item table load counter moves."""
+    import signal
+    import urllib.request
+
+    def loads() -> float:
+        with urllib.request.urlopen(f"{up.base_url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("xllm:item_table_loads_total{"))
+
+    before = loads()
+    started = time.monotonic()
+    os.kill(up.pid, signal.SIGHUP)
+    while loads() == before:
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def reloads_under_load(up, setup: Setup, args: argparse.Namespace, path: str, body: dict) -> dict:
+    """8 clients of beam searches, once quietly and once while the table is reloaded three times
+    (the middle time from a bad file, which must leave the old table serving)."""
+    prompts = bench.make_random_prompts(setup.tokenizer, args.catalogue_load_prompts, args.prompt_tokens, 4,
+                                        seed=args.seed + 66)
+    common = dict(tokenizer=setup.tokenizer, model=os.path.basename(setup.model), stream=False, max_concurrency=8,
+                  extra_body=body)
+    quiet = bench.run(bench.benchmark(up.base_url, prompts, **common))
+    outcome = {}
+
+    def reload_three_times() -> None:
+        time.sleep(0.5)
+        outcome["first"] = reload_seconds(up)
+        os.rename(path, path + ".good")
+        with open(path, "w") as f:
+            f.write("bad\t1 -2 3 4\n")
+        try:
+            outcome["bad"] = reload_seconds(up)
+        finally:
+            os.replace(path + ".good", path)
+        outcome["last"] = reload_seconds(up)
+
+    reloader = threading.Thread(target=reload_three_times)
+    reloader.start()
+    busy = bench.run(bench.benchmark(up.base_url, prompts, **common))
+    reloader.join()
+    return {"load_requests": busy["completed"] + busy["failed"], "load_failed": busy["failed"] + quiet["failed"],
+            "quiet_median_ms": quiet["median_e2e_latency_ms"], "quiet_p99_ms": quiet["p99_e2e_latency_ms"],
+            "reloading_median_ms": busy["median_e2e_latency_ms"], "reloading_p99_ms": busy["p99_e2e_latency_ms"],
+            "reloads_done": len(outcome)}
+
+
+def run_catalogues(setup: Setup, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    prompts = bench.make_random_prompts(setup.tokenizer, args.warmup + args.repetitions, args.prompt_tokens, 4,
+                                        seed=args.seed + 55)
+    for spec in [None, *args.catalogues]:
+        extra, name = [], "none"
+        if spec is not None:
+            items, codebooks, codes = spec
+            base = bench.item_token_base(setup.tokenizer, codebooks * codes)
+            path = os.path.join(RESULTS, f"catalogue-{items}x{codebooks}x{codes}-base{base}.tsv")
+            write_catalogue(path, items, codebooks, codes, base, args.seed)
+            extra, name = ["--item-table", path], f"{items}x{codebooks}x{codes}"
+        command = servers.server_command(setup.model, [*setup.server_args, *extra])
+        started = time.monotonic()
+        with servers.running_server(command, servers.server_log("beams", f"catalogue-{name}"), name,
+                                    own_group=True) as up, MemorySampler(up.pid, args.sample_ms / 1000) as sampler:
+            startup = time.monotonic() - started
+            time.sleep(1.0)  # let the start-up's freed pages go back
+            ready = sampler.mark()
+            rounds = 3 if spec is None else spec[1]
+            body = {**beam_body("ours", args.catalogue_width), "max_tokens": rounds}
+            latencies = []
+            for index, prompt in enumerate(prompts):
+                metrics = bench.run(bench.benchmark(up.base_url, [prompt], tokenizer=setup.tokenizer,
+                                                    model=os.path.basename(setup.model), stream=False,
+                                                    max_concurrency=1, extra_body=body))
+                if metrics["failed"]:
+                    raise servers.ServerError(f"catalogue {name}: {metrics['first_error']}")
+                if index >= args.warmup:
+                    latencies.append(metrics["median_e2e_latency_ms"])
+            reload = reload_seconds(up) if spec is not None else float("nan")
+            loaded = {} if spec is None or not args.catalogue_load_prompts else \
+                reloads_under_load(up, setup, args, path, body)
+        rows.append({"part": "catalogue", "table": name, "width": args.catalogue_width,
+                     "prompt_tokens": args.prompt_tokens, "rounds": rounds, "failed": loaded.get("load_failed", 0),
+                     "startup_s": startup, "ready_rss_mb": ready / MB,
+                     "median_latency_ms": statistics.median(latencies), "reload_s": reload, **loaded})
+        print(f"  catalogue {name:<16} start-up {startup:6.1f} s  resident {ready / MB:7.0f} MB  "
+              f"beam {args.catalogue_width} {rows[-1]['median_latency_ms']:8.1f} ms  reload {reload:.2f} s", flush=True)
+        if loaded:
+            print(f"    8 clients, 3 reloads (one bad file): {loaded['load_requests']} requests, "
+                  f"{loaded['load_failed']} failed; median / P99 {loaded['reloading_median_ms']:.0f} / "
+                  f"{loaded['reloading_p99_ms']:.0f} ms against {loaded['quiet_median_ms']:.0f} / "
+                  f"{loaded['quiet_p99_ms']:.0f} ms without reloads", flush=True)
+    return rows
+
+
+def format_catalogues(rows: list[dict]) -> str:
+    none = rows[0]
+    lines = ["| item table | start-up | resident at ready (over no table) | beam latency (x no table) | reload |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['table']} | {row['startup_s']:.1f} s | {row['ready_rss_mb']:,.0f} MB "
+                     f"(+{row['ready_rss_mb'] - none['ready_rss_mb']:,.0f}) | {row['median_latency_ms']:.1f} ms "
+                     f"({row['median_latency_ms'] / none['median_latency_ms']:.2f}x) | "
+                     f"{'-' if row is none else format(row['reload_s'], '.2f') + ' s'} |")
+    return "\n".join(lines)
+
+
 def run_widest(setup: Setup, args: argparse.Namespace) -> dict:
     prompts = bench.make_random_prompts(setup.tokenizer, 1 + args.warmup, args.widest_prompt_tokens, args.rounds,
                                         seed=args.seed + 99)
@@ -348,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--throughput-concurrency", type=int, default=8)
     parser.add_argument("--throughput-width", type=int, default=128)
     parser.add_argument("--throughput-prompts", type=int, default=64)
+    parser.add_argument("--catalogues", type=catalogue_shapes, default=[],
+                        help="item tables at scale, ITEMSxCODEBOOKSxCODES[,...] (e.g. 1520000x4x8192)")
+    parser.add_argument("--catalogue-width", type=int, default=128)
+    parser.add_argument("--catalogue-load-prompts", type=int, default=64,
+                        help="requests of the reloads-under-load part (0: skip it)")
     parser.add_argument("--widest", action="store_true", help="also the widest beam")
     parser.add_argument("--widest-width", type=int, default=512)
     parser.add_argument("--widest-prompt-tokens", type=int, default=2000)
@@ -356,6 +496,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkout", help="run PATH/server.py, another checkout (a worktree of an older commit: "
                                            "today's figures of an issue's 'now' column)")
     return parser
+
+
+def catalogue_shapes(text: str) -> list[tuple[int, int, int]]:
+    try:
+        shapes = [tuple(int(x) for x in part.split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected ITEMSxCODEBOOKSxCODES[,...], got {text!r}")
+    return shapes
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -374,7 +524,8 @@ def make_setup(args: argparse.Namespace) -> Setup:
     tokenizer = bench.load_tokenizer(model)
     table_path, items = write_table(args, tokenizer)
     widest = max([*args.widths, args.throughput_width, *([args.widest_width] if args.widest else [])])
-    longest = max(args.prompt_tokens, args.widest_prompt_tokens if args.widest else 0) + args.rounds
+    rounds = max([args.rounds, *(codebooks for _, codebooks, _ in args.catalogues)])
+    longest = max(args.prompt_tokens, args.widest_prompt_tokens if args.widest else 0) + rounds
     server_args = [*([f"@{args.checkout}"] if args.checkout else []), "--dtype", args.dtype,
                    "--scheduler", "fixed_steps", "--concurrent-execute-stream-num", str(args.ours_streams),
                    "--max-beam-width", str(widest), "--max-num-return-sequences", str(widest),
@@ -396,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_throughput(setup, args))
         if args.widest:
             rows.append(run_widest(setup, args))
+        if args.catalogues:
+            rows += run_catalogues(setup, args)
     except servers.ServerError as exc:
         print(f"beams: {exc}", file=sys.stderr)
         return 1
@@ -412,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_throughput(row))
         elif row["part"] == "widest":
             print(format_widest(row))
+    catalogue_rows = [row for row in rows if row["part"] == "catalogue"]
+    if catalogue_rows:
+        print(format_catalogues(catalogue_rows))
     print(f"rows written to {save(rows, args, setup)}.csv and .json")
     return 0 if all(not row["failed"] for row in rows) else 1
 

@@ -129,6 +129,8 @@ def new_requests(prompts: list[list[int]], output_len: int) -> list[EngineReques
 
 def run_to_completion(runner: ModelRunner, requests: list[EngineRequest], deliver) -> None:
     """Prefill, then decode rounds until every sequence is done: FixedStepsBatcher's slot job."""
+    for req in requests:  # (Engine.submit's part)
+        req.prepare(runner)
     batch = GenerationBatch(runner, requests)
     deliver(batch.prefill())
     while batch:

@@ -20,6 +20,53 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONTEXT = 256
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "kernel(name): a test of our CPU kernel `name` (cpu_kernels.verified()): "
+                            "skipped on a CPU without its instructions, failed on one with them where it did not "
+                            "build or verify")
+
+
+def require_kernel(name: str) -> None:
+    """Go on with a test of our CPU kernel `name` only where it built and verified here. Where it
+    did not: a skip on a CPU without the instructions our kernels need (the eager code serves
+    there), a failure on one with them: a skip would let CI pass on a kernel that computes wrong."""
+    from xllm_async.model import cpu_kernels
+
+    if cpu_kernels.verified()[name]:
+        return
+    have = cpu_kernels.instruction_sets()
+    if have:
+        why = cpu_kernels.load_failure() or "its start-up check failed: see the log's warning"
+        pytest.fail(f"our {name} kernel did not build or verify on this CPU, which has "
+                    f"{' and '.join(cpu_kernels.ISA_NAMES[i] for i in have)}: {why}", pytrace=False)
+    pytest.skip(f"no AVX512-BF16 here: our {name} kernel is not built")
+
+
+def pytest_runtest_setup(item) -> None:
+    for mark in item.iter_markers("kernel"):
+        require_kernel(mark.args[0])
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line of what this run's CPU kernels exercised, so a run on a CPU with AMX shows that
+    its tiles ran (and one without, that they did not)."""
+    from xllm_async.model import cpu_kernels
+
+    have = cpu_kernels.instruction_sets()
+    status = cpu_kernels.verified()
+    # AMX where the linear (and the prompts' attention, built alike) took its tiles; AVX512-BF16
+    # wherever a kernel ran on this CPU's vector paths (all of them without AMX, the rest with it).
+    exercised = ["AMX"] if cpu_kernels.our_linear() == "amx" else []
+    if "avx512_bf16" in have and any(status.values()):
+        exercised.append("AVX512-BF16")
+    paths = " and ".join(exercised) or "neither AMX nor AVX512-BF16"
+    cpu = " and ".join(cpu_kernels.ISA_NAMES[i] for i in have) or "neither"
+    built = ", ".join(name for name, ok in status.items() if ok) or "none"
+    missing = ", ".join(name for name, ok in status.items() if not ok)
+    terminalreporter.write_line(f"CPU kernels: this CPU has {cpu}; our kernels ran on {paths}; built and "
+                                f"verified: {built}" + (f"; not: {missing}" if missing else ""))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from xllm_async.random_model import build_qwen3

@@ -30,6 +30,9 @@ BAD_COMPLETIONS = [
     ({**GOOD, "n": 0}, "n"),
     ({**GOOD, "n": 100000}, "n"),
     ({**GOOD, "seed": 1.5}, "seed"),
+    # Past every 64-bit integer (raw JSON: orjson writes none of them, and reads them as floats).
+    (b'{"prompt": [5, 6, 7], "max_tokens": 2, "seed": 18446744073709551616}', "seed"),
+    (b'{"prompt": [5, 6, 7], "max_tokens": 2, "seed": -9223372036854775809}', "seed"),
     ({**GOOD, "stop": 5}, "stop"),
     ({**GOOD, "stop": [""]}, "stop"),
     ({**GOOD, "stop_token_ids": [-1]}, "stop_token_ids"),

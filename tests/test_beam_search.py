@@ -11,7 +11,9 @@ import torch
 
 from .client import post
 from .conftest import ServerProcess
+from .hold import wait_until
 from .test_generation import random_prompts
+from .test_robustness import metric
 
 CASES = [  # (prompt length, beam_width, num_return_sequences, rounds)
     (7, 8, 3, 3), (30, 4, 4, 2), (3, 16, 5, 3), (50, 1, 1, 4), (12, 6, 2, 1), (21, 32, 8, 3),
@@ -100,10 +102,59 @@ def test_rounds_default_to_the_server_setting(server):
     ({"beam_width": 4, "stop": ["a"]}, "stop"),
     ({"beam_width": 4, "stop_token_ids": [7]}, "stop_token_ids"),
     ({"beam_width": 4, "logprobs": 2}, "logprobs"),
+    ({"beam_width": 128, "max_tokens": 65}, "max_tokens"),  # past XLLM_MAX_BEAM_ROUNDS (64)
 ])
 def test_bad_beam_requests_get_400(server, body, param):
     status, answer, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], **body})
     assert status == 400 and answer["error"]["param"] == param
+
+
+def test_beam_rounds_up_to_the_limit_are_served(server):
+    status, body, _ = post(server.port, "/v1/completions", {"prompt": [1, 2, 3], "beam_width": 2, "max_tokens": 64})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 64, body
+
+
+@pytest.fixture(scope="module")
+def small_cache(tiny_model_dir):
+    """One slot of 2,048 tokens of cache (1 MiB, 512 bytes a token of the tiny model in float32)."""
+    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--kv-cache-bytes", "1M",
+                            "--concurrent-execute-stream-num", "1"])
+    yield server
+    server.stop()
+
+
+def test_a_beam_search_larger_than_the_cache_gets_400(small_cache):
+    # 10 prompt tokens and 128 beams x 19 own tokens: 2,442 tokens, more than the slot's 2,048.
+    status, body, _ = post(small_cache.port, "/v1/completions", {"prompt": [1] * 10, "beam_width": 128,
+                                                                  "max_tokens": 20})
+    assert status == 400 and body["error"]["param"] == "beam_width", body
+    assert "2442" in body["error"]["message"] and "XLLM_KV_CACHE_BYTES" in body["error"]["message"]
+    # 10 + 107 x 19 = 2,043 fits alone.
+    status, body, _ = post(small_cache.port, "/v1/completions", {"prompt": [1] * 10, "beam_width": 107,
+                                                                  "max_tokens": 20, "num_return_sequences": 2})
+    assert status == 200, body
+
+
+def test_beam_searches_that_fit_the_cache_only_one_at_a_time_take_turns(small_cache):
+    """Two beam searches of 1,226 tokens of cache each (10 + 64 x 19) wait in line together: the
+    second runs in a batch of its own after the first, not beside it in 2,452 tokens."""
+    beams = {"prompt": [1] * 10, "beam_width": 64, "max_tokens": 20, "num_return_sequences": 2}
+    alone = post(small_cache.port, "/v1/completions", beams)[1]["choices"]
+    with ThreadPoolExecutor(3) as pool:
+        with small_cache.hold("prefill"):  # a plain request holds the only slot while both queue
+            blocker = pool.submit(post, small_cache.port, "/v1/completions", {"prompt": [3], "max_tokens": 2})
+            small_cache.hold.wait_held("prefill")
+            # (counted now: the only slot's thread finished every earlier batch before this one)
+            batches = metric(small_cache, "xllm:slot_batches", "xllm:slot_batches_total", slot="0")
+            answers = [pool.submit(post, small_cache.port, "/v1/completions", beams) for _ in range(2)]
+            wait_until(lambda: metric(small_cache, "xllm:num_requests_waiting") == 2, what="both beam searches queued")
+        assert blocker.result(120)[0] == 200
+        for answer in answers:
+            status, body, _ = answer.result(120)
+            assert status == 200, body
+            assert body["choices"] == alone
+    wait_until(lambda: metric(small_cache, "xllm:slot_batches", "xllm:slot_batches_total", slot="0") >= batches + 3,
+               timeout=60, what="the blocker's batch, then one for each beam search")
 
 
 def test_neutral_sampling_fields_are_accepted_with_a_beam(server):
@@ -141,11 +192,11 @@ def item_server(tiny_model_dir, tmp_path_factory):
     server.stop()
 
 
-def constrained_reference(reference, prompt, width: int, count: int) -> tuple[list, list]:
+def constrained_reference(reference, prompt, width: int, count: int, items=ITEMS) -> tuple[list, list]:
     """transformers' beam search kept to the table's paths, log-probabilities renormalised over them."""
     def allowed(batch_id, sequence):
         prefix = tuple(sequence[len(prompt):].tolist())
-        return sorted({key[len(prefix)] for key in ITEMS if key[:len(prefix)] == prefix})
+        return sorted({key[len(prefix)] for key in items if key[:len(prefix)] == prefix})
 
     with torch.inference_mode():
         out = reference.model.generate(
@@ -235,3 +286,233 @@ def test_beam_metrics_count_prompts_beams_and_items(item_server):
     assert sample_value(families, "xllm:beam_requests", "xllm:beam_requests_total") == before + 1
     assert sample_value(families, "xllm:beams_per_request", "xllm:beams_per_request_sum") >= 4
     assert sample_value(families, "xllm:items_returned_per_request", "xllm:items_returned_per_request_sum") >= 2
+
+
+# --- catalogue features: shared tuples, checks, per-request filters, reload ---
+
+def start_server_expecting_failure(tiny_model_dir, table) -> str:
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--model", tiny_model_dir,
+                           "--item-table", str(table)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("d\t5 -6\n", "non-negative"),
+    ("d\t5 999999\n", "999999"),  # beyond the tiny model's vocabulary
+    ("a\t5 8\n", "'a' appears again"),
+])
+def test_a_table_with_a_bad_token_or_repeated_id_stops_start_up_naming_line_and_value(tiny_model_dir, tmp_path,
+                                                                                    line, needle):
+    table = tmp_path / "items.tsv"
+    table.write_text("# header\na\t5 6\nb\t5 7\n" + line)
+    stderr = start_server_expecting_failure(tiny_model_dir, table)
+    assert "XLLM_ITEM_TABLE" in stderr and ":4:" in stderr and needle in stderr
+
+
+SHARED = [  # (item id, tuple): several items spell some tuples; the server must keep every one
+    ("p-1", (1001, 2002, 3003)), ("p-2", (1001, 2002, 3004)), ("p-3", (1001, 2002, 3003)),
+    ("p-4", (1002, 2001, 3001)), ("p-5", (1001, 2002, 3003)), ("p-6", (1002, 2001, 3001)),
+    ("p-7", (1003, 2003, 3002)),
+]
+
+
+def test_items_sharing_a_tuple_are_all_returned_in_file_order(tiny_model_dir, tmp_path, beam_expected):
+    table = tmp_path / "shared.tsv"
+    table.write_text("".join(f"{item}\t{' '.join(map(str, key))}\n" for item, key in SHARED))
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)])
+    try:
+        status, body, _ = beam_request(server.port, beam_expected[0][0], 8, 8, 3)
+        assert status == 200, body
+        expected = {}
+        for item, key in SHARED:
+            expected.setdefault(key, []).append(item)
+        assert len(body["choices"]) == len(expected)  # every distinct tuple comes back once
+        for choice in body["choices"]:
+            ids = expected[tuple(choice["token_ids"])]
+            assert choice["item_ids"] == ids and choice["item_id"] == ids[0]
+        assert "7 items, 4 distinct tuples of 3 tokens (2 shared by several items)" in server.log()
+        status, body, _ = post(server.port, "/v1/completions", {"prompt": [5, 6], "beam_width": 8,
+                                                                "num_return_sequences": 8,
+                                                                "exclude_item_ids": ["p-1", "p-5", "p-7"]})
+        assert status == 200, body
+        by_tuple = {tuple(c["token_ids"]): c["item_ids"] for c in body["choices"]}
+        # A shared tuple stays while one of its items does, and answers with the ones left.
+        assert by_tuple == {(1001, 2002, 3003): ["p-3"], (1001, 2002, 3004): ["p-2"],
+                            (1002, 2001, 3001): ["p-4", "p-6"]}
+    finally:
+        server.stop()
+
+
+def test_excluded_items_never_come_back_and_the_answer_equals_a_table_without_them(item_server, beam_expected,
+                                                                                   reference):
+    names = {key: f"sku-{i}" for i, key in enumerate(ITEMS)}
+    prompt = beam_expected[0][1]
+    status, full, _ = beam_request(item_server.port, prompt, 16, 8, 3)
+    assert status == 200, full
+    excluded = [c["item_id"] for c in full["choices"][:4]] + ["sku-7"]
+    status, body, _ = beam_request(item_server.port, prompt, 16, 8, 3, exclude_item_ids=excluded)
+    assert status == 200, body
+    assert len(body["choices"]) == 8  # the k answers are filled from other items
+    assert not {c["item_id"] for c in body["choices"]} & set(excluded)
+    left = [key for key in ITEMS if names[key] not in excluded]
+    sequences, scores = constrained_reference(reference, prompt, 16, 8, left)
+    assert [c["token_ids"] for c in body["choices"]] == sequences
+    for choice, score in zip(body["choices"], scores):
+        assert math.isclose(choice["cumulative_logprob"], score, abs_tol=1e-3)
+
+
+def test_allowed_items_only_come_back_and_the_answer_equals_a_table_of_them(item_server, beam_expected, reference):
+    prompt = beam_expected[0][2]
+    allowed = ITEMS[::15]  # 20 items
+    ids = [f"sku-{ITEMS.index(key)}" for key in allowed]
+    status, body, _ = beam_request(item_server.port, prompt, 8, 8, 3, allowed_item_ids=ids,
+                                   exclude_item_ids=ids[:2])
+    assert status == 200, body
+    sequences, scores = constrained_reference(reference, prompt, 8, 8, allowed[2:])
+    assert [c["token_ids"] for c in body["choices"]] == sequences
+    assert {c["item_id"] for c in body["choices"]} <= set(ids[2:])
+    for choice, score in zip(body["choices"], scores):
+        assert math.isclose(choice["cumulative_logprob"], score, abs_tol=1e-3)
+
+
+@pytest.mark.parametrize("extra,param,needle", [
+    ({"exclude_item_ids": ["sku-1", "nope", "gone"]}, "exclude_item_ids", "'nope', 'gone'"),
+    ({"allowed_item_ids": ["sku-1", "x"]}, "allowed_item_ids", "'x'"),
+    ({"allowed_item_ids": []}, "allowed_item_ids", "at least one"),
+    ({"allowed_item_ids": "sku-1"}, "allowed_item_ids", "list"),
+    ({"allowed_item_ids": ["sku-1"], "exclude_item_ids": ["sku-1"]}, "allowed_item_ids", "no item"),
+])
+def test_bad_item_filters_get_400_naming_them(item_server, extra, param, needle):
+    status, answer, _ = post(item_server.port, "/v1/completions", {"prompt": [1, 2, 3], "beam_width": 4, **extra})
+    assert status == 400 and answer["error"]["param"] == param and needle in answer["error"]["message"], answer
+
+
+def test_item_filters_need_a_beam_search_and_a_table(item_server, server):
+    status, answer, _ = post(item_server.port, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2,
+                                                                   "exclude_item_ids": ["sku-1"]})
+    assert status == 400 and answer["error"]["param"] == "exclude_item_ids"
+    status, answer, _ = post(server.port, "/v1/completions", {"prompt": [1, 2], "beam_width": 2,
+                                                              "allowed_item_ids": ["sku-1"]})
+    assert status == 400 and "XLLM_ITEM_TABLE" in answer["error"]["message"]
+
+
+def write_table(path, items) -> None:
+    tmp = str(path) + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(f"{name}\t{' '.join(map(str, key))}\n" for name, key in items)
+    import os
+
+    os.replace(tmp, path)  # as a deployment would: the server never reads half a file
+
+
+def wait_for_loads(port: int, result: str, count: int) -> None:
+    import time
+
+    from .test_observability import sample_value, scrape
+
+    for _ in range(600):  # 60 s at most: a reload of a few hundred items takes milliseconds
+        value = sample_value(scrape(port), "xllm:item_table_loads", "xllm:item_table_loads_total", 0.0,
+                             result=result)
+        if value >= count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {count} {result} loads")
+
+
+def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(tiny_model_dir, tmp_path, beam_expected):
+    import os
+    import signal
+
+    import orjson
+
+    from .client import get
+
+    def server_info() -> dict:
+        return orjson.loads(get(server.port, "/server_info")[1])
+
+    path = tmp_path / "items.tsv"
+    first = [(f"old-{i}", key) for i, key in enumerate(ITEMS[:100])]
+    second = [(f"new-{i}", key) for i, key in enumerate(ITEMS[100:250])]
+    write_table(path, first)
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
+    try:
+        prompt = beam_expected[0][0]
+        info = server_info()
+        assert info["item_count"] == 100 and info["item_tuples"] == 100
+        version = info["item_table_version"]
+        write_table(path, second)
+        os.kill(server.proc.pid, signal.SIGHUP)
+        wait_for_loads(server.port, "ok", 2)
+        info = server_info()
+        assert info["item_count"] == 150 and info["item_table_version"] != version
+        status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
+        assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
+        path.write_text("broken line without a tab\n")
+        os.kill(server.proc.pid, signal.SIGHUP)
+        wait_for_loads(server.port, "error", 1)
+        assert "the old table stays" in server.log() and ":1:" in server.log()
+        status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
+        assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
+        info = server_info()
+        assert info["item_count"] == 150
+    finally:
+        server.stop()
+
+
+def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expected):
+    """8 clients keep beam searches running while the table changes 3 times (once to a bad
+    file): every request is answered 200, with items of one of the tables it could have met."""
+    import os
+    import signal
+    import threading
+
+    path = tmp_path / "items.tsv"
+    tables = [[(f"t{t}-{i}", key) for i, key in enumerate(ITEMS[t * 50:t * 50 + 120])] for t in range(3)]
+    valid = {name: key for table in tables for name, key in table}
+    write_table(path, tables[0])
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
+    stop = threading.Event()
+    answers = []
+
+    def client(seed: int) -> None:
+        prompts = beam_expected[0]
+        i = seed
+        while not stop.is_set():
+            status, body, _ = beam_request(server.port, prompts[i % len(prompts)], 8, 4, 3)
+            answers.append((status, body))
+            i += 1
+
+    try:
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+        for t in threads:
+            t.start()
+        for n, table in enumerate([tables[1], None, tables[2]]):
+            while len(answers) < 8 * (n + 1):  # requests are in flight when the signal comes
+                threading.Event().wait(0.05)
+            if table is None:
+                path.write_text("x\t1 -2 3\n")  # a negative id fails the checks
+            else:
+                write_table(path, table)
+            os.kill(server.proc.pid, signal.SIGHUP)
+            wait_for_loads(server.port, "error" if table is None else "ok", 1 if table is None else 2 + (n > 0))
+        count = len(answers)
+        while len(answers) < count + 8:
+            threading.Event().wait(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        server.stop()
+    assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200][:3]
+    for _, body in answers:
+        tables_seen = {c["item_id"].split("-")[0] for c in body["choices"]}
+        assert len(tables_seen) == 1  # one table per answer
+        for choice in body["choices"]:
+            assert valid[choice["item_id"]] == tuple(choice["token_ids"])

@@ -357,7 +357,10 @@ def test_written_item_table_is_the_one_the_server_loads(tmp_path):
     bench.write_item_table(str(path), table, "300 items")
     assert path.read_text().startswith("# 300 items\nitem-00000\t")
     assert bench.read_item_table(str(path)) == table
-    assert ItemTable.load(str(path)).items == table.items
+    loaded = ItemTable.load(str(path))
+    numbers, missing = loaded.find(list(table.items.values()))
+    assert loaded.count == 300 and not missing
+    assert {tuple(loaded.tokens_of(n)): item for n, item in zip(numbers, table.items.values())} == table.items
     (tmp_path / "mixed.tsv").write_text("a\t1 2 3\nb\t1 2\n")
     with pytest.raises(ValueError, match="mixed.tsv:2"):
         bench.read_item_table(str(tmp_path / "mixed.tsv"))

@@ -82,3 +82,12 @@ def test_help_lists_every_setting(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--kv-cache-bytes" in out and "20% of host" in out and "XLLM_TORCH_THREADS" in out
+
+
+def test_beam_rounds_limit_below_the_default_rounds_stops_start_up(tiny_model_dir):
+    env = {**os.environ, "XLLM_MAX_BEAM_ROUNDS": "2", "XLLM_MODEL": tiny_model_dir}  # XLLM_BEAM_MAX_TOKENS is 3
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "XLLM_MAX_BEAM_ROUNDS=2" in proc.stderr.strip().splitlines()[-1]

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from xllm_async.model import cpu_kernels
 from xllm_async.model.layers import apply_rotary
 
+from .conftest import require_kernel
 from .test_generation import random_prompts
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the fused CPU kernels could not be built here")
+# On a CPU with AVX512-BF16 (or AMX) a kernel that did not build or verify fails these tests (conftest).
+pytestmark = pytest.mark.kernel("elementwise")
 
 EPS = 1e-6
 
@@ -64,8 +66,7 @@ def test_rotary_and_silu_match_the_eager_code_bit_for_bit(rows):
     assert_within_a_step(fused, eager)  # (exp is ours: equal but for rare last-bit roundings)
 
 
-@pytest.mark.skipif(not cpu_kernels.wanted(torch.device("cpu"), torch.float32),
-                    reason="no AVX512-BF16 here: float32 keeps the eager elementwise code")
+@pytest.mark.kernel("float32 elementwise")
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_the_float32_kernels_compute_what_the_eager_float32_code_does(rows):
     """In float32 nothing is rounded: rotary and SiLU x up equal to float32 rounding (our exp is
@@ -96,8 +97,7 @@ def test_the_float32_kernels_compute_what_the_eager_float32_code_does(rows):
         torch.ops.xllm.rms_norm(x, weight.bfloat16(), EPS)
 
 
-needs_attention_kernel = pytest.mark.skipif(cpu_kernels.varlen_attention() is None,
-                                            reason="no AVX512-BF16 here: packed prompts keep torch's attention")
+needs_attention_kernel = pytest.mark.kernel("packed attention")
 
 
 def packed_qkv(lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int = 9,
@@ -185,7 +185,7 @@ def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_m
     assert same >= (0.8 if dtype == "bfloat16" else 1) * sum(widths)
 
 
-@pytest.mark.skipif(cpu_kernels.topk_logsumexp() is None, reason="no AVX512-BF16 here: beams keep torch.topk")
+@pytest.mark.kernel("beam top-k")
 @pytest.mark.parametrize("rows,columns,k", [(128, 16384, 128), (3, 4213, 128), (5, 10, 10), (7, 33, 20), (2, 100, 1)])
 def test_beam_top_k_and_log_sum_exp_match_torch(rows, columns, k):
     """The k best logits of each row (ties: the lower column first) and its log-sum-exp, as
@@ -199,7 +199,7 @@ def test_beam_top_k_and_log_sum_exp_match_torch(rows, columns, k):
     assert torch.allclose(lse, torch.logsumexp(logits.float(), dim=-1), atol=1e-4)
 
 
-@pytest.mark.skipif(cpu_kernels.topk_logsumexp() is None, reason="no AVX512-BF16 here: beams keep torch.topk")
+@pytest.mark.kernel("beam top-k")
 @pytest.mark.parametrize("columns", [5000, 300])
 def test_beam_top_k_of_equal_values_ranks_by_column(columns):
     """Rows where every value ties (every one reaches the bound: the kernel's sorting path), and
@@ -216,7 +216,35 @@ def test_beam_top_k_of_equal_values_ranks_by_column(columns):
     assert torch.allclose(lse, torch.logsumexp(logits, dim=-1), atol=1e-4)
 
 
-@pytest.mark.skipif(cpu_kernels.decode_attention() is None, reason="no AVX512-BF16 here: decode keeps torch's kernel")
+@pytest.mark.kernel("beam top-k")
+@pytest.mark.parametrize("columns,k", [(300, 20), (5000, 128)])
+def test_beam_top_k_ranks_nan_first_as_torch_and_fills_every_slot(columns, k):
+    """NaN logits (a broken forward's) rank above every number, as torch.topk (beam.py's fallback)
+    ranks them, the lower column first, and make the row's log-sum-exp NaN as torch.logsumexp
+    does. Every slot holds a column of the row: a row of fewer numbers than k once left slots
+    unwritten, token ids read from memory no one wrote."""
+    nan = float("nan")
+    logits = randn(6, columns, seed=15)
+    logits[0, [7, columns - 1]] = nan  # two NaNs among numbers
+    logits[1] = nan  # every value NaN
+    logits[2, 10:] = nan  # ten numbers, fewer than k
+    logits[3, ::3] = nan  # NaNs in every vector
+    logits.view(torch.int16)[4, 5] = -64  # a NaN with its sign bit set (0xffc0)
+    values, where, lse = cpu_kernels.topk_logsumexp()(logits, k)
+    want = logits.float().topk(k, dim=-1).values
+    torch.testing.assert_close(values, want, rtol=0, atol=0, equal_nan=True)
+    assert ((where >= 0) & (where < columns)).all()
+    torch.testing.assert_close(logits.float().gather(1, where), values, rtol=0, atol=0, equal_nan=True)
+    for row in range(6):
+        nans = logits[row].float().isnan().nonzero().flatten()
+        taken = min(k, len(nans))
+        assert torch.equal(where[row, :taken], nans[:taken])  # the lowest NaN columns, in order
+        assert torch.equal(values[row, taken:].isnan(), torch.zeros(k - taken, dtype=torch.bool))
+    assert lse[:5].isnan().all()
+    assert torch.allclose(lse[5], torch.logsumexp(logits[5].float(), dim=-1), atol=1e-4)
+
+
+@pytest.mark.kernel("decode attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 4, 32), (16, 8, 128)])
 def test_decode_attention_reads_each_rows_slab_as_float32_attention_does(heads, kv_heads, dim, dtype):
@@ -340,9 +368,9 @@ def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monk
     from xllm_async.model import layers
     from xllm_async.runtime.model_runner import ModelRunner
 
+    require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
-    if not runner.model.layers[0].mlp.fused:
-        pytest.skip("the eager MLP runs here (no fused kernels)")
+    assert runner.model.layers[0].mlp.fused
     prompts = random_prompts(51, [200, 250, 233, 200])  # (the tiny model takes 256 positions)
     rows = []
     fused = layers.GatedMlp._fused
@@ -370,12 +398,26 @@ def test_without_a_compiler_the_model_runs_its_eager_code_and_says_so(tiny_model
     from xllm_async.runtime.model_runner import ModelRunner
 
     monkeypatch.setattr(cpu_kernels, "_loaded", None)  # as in a fresh process
+    monkeypatch.setattr(cpu_kernels, "_failure", None)
     monkeypatch.setattr(cpu_kernels, "library_path", lambda: str(tmp_path / "cpu_kernels-none.so"))
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
     with caplog.at_level("WARNING", logger="xllm_async.cpu_kernels"):
         runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     assert not runner.model.fused
+    assert "compiling" in cpu_kernels.load_failure() and not any(cpu_kernels.verified().values())
     assert "fused CPU kernels unavailable" in caplog.text
     with torch.inference_mode():
         logits, _ = runner.prefill(random_prompts(3, [6, 11]))
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+
+
+def test_a_kernel_that_did_not_verify_fails_its_tests_where_the_cpu_has_the_instructions(monkeypatch):
+    """conftest's rule: where this CPU has AVX512-BF16 or AMX, a kernel that did not build or
+    verify fails the tests that need it; only a CPU without them skips those tests."""
+    monkeypatch.setattr(cpu_kernels, "verified", lambda: {"beam top-k": False})
+    monkeypatch.setattr(cpu_kernels, "instruction_sets", lambda: ["avx512_bf16"])
+    with pytest.raises(pytest.fail.Exception, match="beam top-k kernel did not build or verify"):
+        require_kernel("beam top-k")
+    monkeypatch.setattr(cpu_kernels, "instruction_sets", lambda: [])
+    with pytest.raises(pytest.skip.Exception, match="no AVX512-BF16"):
+        require_kernel("beam top-k")

@@ -110,6 +110,17 @@ class Fleet:
         """HAProxy's log: [request id, backend/replica, status, termination state, retries, ms] each."""
         return [line.split() for line in self.log().splitlines() if line.count(" ") == 5 and "/" in line.split()[1]]
 
+    def logged(self, request_ids, timeout: float = 30) -> dict[str, list[str]]:
+        """HAProxy's log lines of these requests by id, once every one is written (it logs when a
+        stream ends, which may be just after its client read the answer)."""
+        wanted = set(request_ids)
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = {line[0]: line for line in self.log_lines() if line[0] in wanted}
+            if len(lines) == len(wanted) or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.01)
+
     def close(self) -> None:
         self.haproxy.terminate()
         self.haproxy.wait(10)
@@ -161,8 +172,9 @@ class Load:
     not, alternately) and checking every answer against the expected one. Even-numbered clients
     keep their connection alive, as SDKs do; odd-numbered ones open one per request."""
 
-    def __init__(self, port: int, expected: list[str], name: str) -> None:
+    def __init__(self, port: int, expected: list[str], name: str, users: bool = False) -> None:
         self.port = port
+        self.users = users  # every third client sends an X-User-Id (HAProxy's user-affinity backend)
         self.name = name  # request ids are f"{name}-{client}-{n}", unique in HAProxy's log
         self.expected = expected
         self.outcomes: list[Outcome] = []
@@ -200,9 +212,12 @@ class Load:
             outcome = Outcome(f"{self.name}-{index}-{n}", (index + n) % 2 == 1, conn is not None, time.monotonic())
             try:
                 conn = conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT)
+                headers = {"content-type": "application/json", "x-request-id": outcome.request_id,
+                           "connection": "keep-alive" if index % 2 == 0 else "close"}
+                if self.users and index % 3 == 0:
+                    headers["x-user-id"] = f"user-{index}"
                 conn.request("POST", "/v1/completions", orjson.dumps(request_body(PROMPTS[which], outcome.stream)),
-                             {"content-type": "application/json", "x-request-id": outcome.request_id,
-                              "connection": "keep-alive" if index % 2 == 0 else "close"})
+                             headers)
                 response = conn.getresponse()
                 outcome.status = response.status
                 outcome.error = self._check(response, outcome, self.expected[which])
@@ -248,7 +263,8 @@ def summary(load: Load) -> str:
 
 @needs_haproxy
 def test_rolling_restart_loses_no_request(fleet, expected):
-    with Load(fleet.port, expected, "restart") as load:
+    """Users with affinity among the clients: a restarted replica's users move, none fails."""
+    with Load(fleet.port, expected, "restart", users=True) as load:
         load.wait_answers(CONCURRENCY * 2)
         for i, replica in enumerate(fleet.replicas):
             replica.stop()  # SIGTERM: /health answers 503, admitted requests finish, the process exits
@@ -386,3 +402,102 @@ def test_dashboard_queries_only_exported_metrics(server):
             "xllm:slot_busy_seconds_total"} <= queried
     families = {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for n in queried - samples}
     assert families <= not_yet_in_the_source(EXPECTED_FROM_BEAM_ENGINE), f"queried, not exported: {families}"
+
+
+def test_replicas_reload_signals_every_replica(tmp_path):
+    """deploy/replicas.sh reload sends SIGHUP to each replica it started (stand-ins that record it)."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    stand_in = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGHUP, lambda *_: (open(sys.argv[1], 'w').write('hup'), sys.exit(0)))\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(120)\n")
+    procs = []
+    for i in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", stand_in, str(tmp_path / f"hup-{i}")], stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"  # its handler is in place
+        (tmp_path / f"replica-{i}.pid").write_text(str(proc.pid))
+        procs.append(proc)
+    try:
+        result = subprocess.run(["bash", os.path.join(ROOT, "deploy", "replicas.sh"), "reload"], capture_output=True,
+                                text=True, env={**os.environ, "RUN_DIR": str(tmp_path)}, timeout=60)
+        assert result.returncode == 0, result.stderr
+        for proc in procs:
+            assert proc.wait(60) == 0
+        assert [(tmp_path / f"hup-{i}").read_text() for i in range(2)] == ["hup", "hup"]
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def send_as_user(port: int, request_id: str, user: str | None) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if user is not None:
+        headers["x-user-id"] = user
+    conn.request("POST", "/v1/completions", orjson.dumps(request_body(PROMPTS[0], False)), headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def wait_idle(fleet) -> None:
+    """Until HAProxy holds no request on any replica: it counts a request as outstanding until its
+    stream ends, which may be just after the client read the answer, and an outstanding one would
+    count against the replica's share (hash-balance-factor) for the next."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = fleet.admin.command("show stat").splitlines()
+        header = lines[0].lstrip("# ").split(",")
+        name, current = header.index("svname"), header.index("scur")
+        if all(row[current] in ("", "0") for row in (line.split(",") for line in lines[1:] if line)
+               if row[name].startswith("r")):
+            return
+        time.sleep(0.005)
+    raise AssertionError("HAProxy still holds requests")
+
+
+@needs_haproxy
+def test_each_users_requests_land_on_one_replica(fleet):
+    """One request at a time (no replica is ever loaded past the factor): 12 users' requests, in
+    turn, each user always on the same replica, the users spread over more than one."""
+    for i in range(len(fleet.replicas)):  # an earlier test may have restarted one
+        fleet.admin.wait_status(f"r{i}", "UP")
+    sent = {}
+    for n in range(4):
+        for u in range(12):
+            request_id = f"affinity-{u}-{n}"
+            wait_idle(fleet)
+            assert send_as_user(fleet.port, request_id, f"user-{u}") == 200
+            sent[request_id] = f"user-{u}"
+    log = {request_id: line[1] for request_id, line in fleet.logged(sent).items()}
+    replicas: dict[str, set] = {}
+    for request_id, user in sent.items():
+        assert log[request_id].startswith("users/"), log[request_id]
+        replicas.setdefault(user, set()).add(log[request_id])
+    assert all(len(where) == 1 for where in replicas.values()), replicas
+    assert len(set().union(*replicas.values())) > 1
+
+
+@needs_haproxy
+def test_a_hot_user_spills_over_to_other_replicas(fleet):
+    """Eight clients at once, all one user: with consistent hashing alone one replica would take
+    them all; the balance factor passes what exceeds 1.5x the average on to the next replicas."""
+    results = []
+
+    def client(i: int) -> None:
+        for n in range(6):
+            results.append(send_as_user(fleet.port, f"hot-{i}-{n}", "hot-user"))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [200] * 48
+    served = [line[1] for line in fleet.logged(f"hot-{i}-{n}" for i in range(8) for n in range(6)).values()]
+    assert len(served) == 48 and len(set(served)) > 1, served

@@ -141,3 +141,19 @@ def test_argmax_rows_answers_as_torch_argmax_on_ties_nans_and_views():
     assert argmax_rows(scores)[1:4] == [0, 7, 11]
     half = torch.randn(3, 500, requires_grad=True).bfloat16()  # no numpy bfloat16: torch answers
     assert argmax_rows(half) == half.argmax(dim=-1).tolist()
+
+
+def test_budget_counts_a_beam_as_copied_rows_where_prompts_are_not_shared():
+    """Our engine keeps a beam request's prompt once (its beams' own tokens beside it); the
+    transformers engine copies the prompt into every beam: beam_width rows of prompt + rounds - 1."""
+    from collections import deque
+
+    from xllm_async.engine.beam import BeamRequest
+    from xllm_async.engine.budget import BatchBudget
+
+    beam = BeamRequest(0, [1] * 10, 128, 20, None)
+    assert BatchBudget(1024, 8192, packed=True, kv_tokens=4096).cache_alone(beam) == 10 + 128 * 19
+    copied = BatchBudget(1024, 8192, packed=False, kv_tokens=3000)
+    assert copied.cache_alone(beam) == 128 * 29 and copied.never_fits(beam)
+    two = deque([BeamRequest(0, [1] * 10, 64, 20, None), BeamRequest(1, [1] * 10, 64, 20, None)])
+    assert len(copied.take(two)) == 1  # 2 x 64 x 29 = 3,712 tokens of 3,000: the second waits

@@ -129,10 +129,9 @@ TEMPLATE_KWARGS = st.one_of(st.dictionaries(st.sampled_from(["enable_thinking", 
                                             st.one_of(st.booleans(), NESTED), max_size=2), WRONG)
 
 # Every field api/requests.py reads (test_the_field_table_covers_every_field_the_api_reads keeps this in
-# step). Two known server faults are left out until they are fixed (issue 34, by another change): a
-# seed past 2^63 - 1 (or below -2^63) overflows torch's generator (a 500), and a beam search's rounds
-# are not yet bounded by memory (beam_width 128 with max_tokens 8191 reserves GBs): `seed` stays in
-# [-2^63, 2^63 - 1] and a beam request's max_tokens at most 8 (see capped()).
+# step), with its whole range and past it: a seed of any 64-bit value, a beam search of any rounds
+# (XLLM_MAX_BEAM_ROUNDS bounds them; beyond, 400), item filters on a server without a table (400).
+ITEM_IDS = st.one_of(st.lists(st.one_of(strings(8), st.integers(-2, 10 ** 20)), max_size=4), WRONG)
 COMMON = {
     "model": st.one_of(st.just("tiny"), strings(6)),
     "max_tokens": ints(0, TINY_CONTEXT, st.integers(1, 8)),
@@ -140,8 +139,7 @@ COMMON = {
     "top_p": floats(0.0, 1.0, st.sampled_from([0.5, 1.0])),
     "top_k": ints(-1, VOCAB, st.integers(-1, 50)),
     "min_p": floats(0.0, 1.0, st.sampled_from([0.0, 0.1])),
-    "seed": ints(-INT64, INT64 - 1, st.integers(0, 1000)).filter(lambda v: not isinstance(v, int)
-                                                               or isinstance(v, bool) or -INT64 <= v < INT64),
+    "seed": ints(-INT64, (1 << 64) - 1, st.integers(0, 1000)),
     "stop": STOP,
     "stop_token_ids": TOKEN_LIST,
     "ignore_eos": bools(),
@@ -152,6 +150,8 @@ COMMON = {
     "n": ints(1, MAX_N, st.integers(1, 3)),
     "beam_width": ints(1, MAX_BEAM, st.integers(1, 4)),
     "num_return_sequences": ints(1, MAX_BEAM, st.integers(1, 4)),
+    "allowed_item_ids": ITEM_IDS,
+    "exclude_item_ids": ITEM_IDS,
     **{name: unsupported(neutral) for name, neutral in UNSUPPORTED.items()},
 }
 COMPLETION_FIELDS = {
@@ -179,16 +179,18 @@ GENERATED = 512  # tokens one drawn request may ask to generate (prompts x n x m
 
 
 def capped(body: dict) -> dict:
-    """The known beam fault left out (see COMMON): a beam request's rounds at most 8. And a valid
-    request's work bounded: the largest ones valid here (1,024 prompts of 16 tokens, n 64 of 255
-    tokens) take about a minute on 2 vCPU, which finds no bug and would pass for a hang."""
+    """A valid request's work bounded: the largest ones valid here (1,024 prompts of 16 tokens, n 64
+    of 255 tokens, a beam of 128 over 64 rounds) take about a minute on 2 vCPU, which finds no bug
+    and would pass for a hang. A beam request past XLLM_MAX_BEAM_ROUNDS keeps its rounds: it must be
+    refused at once, never reserve its cache."""
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
     n = body.get("n")
     work = prompts * (n if type(n) is int and 1 <= n <= MAX_N else 1)
     default = TINY_CONTEXT if "messages" in body else 16  # max_tokens absent: all the context left, or 16
     limit = max(1, GENERATED // work) if work * default > GENERATED else None
-    if "beam_width" in body:
+    rounds = body.get("max_tokens")
+    if "beam_width" in body and not (type(rounds) is int and rounds > 64):
         limit = min(limit or 8, 8)
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
@@ -326,6 +328,10 @@ def test_any_body_gets_200_or_a_4xx_and_the_canary_its_answer(fuzzed, canary, pa
     # Found by this fuzzer (each a 500 before its fix):
     @example(body={"messages": DEEP_LIST, "max_tokens": 2})  # repr() of the value in the 400's message recursed
     @example(body={"prompt": [1], "stop": DEEP_LIST})
+    # Issue 34's cases: a 64-bit seed failed its batch (500), a beam of 8,191 rounds reserved 22 GB.
+    @example(body={"prompt": "Hello", "max_tokens": 5, "n": 2, "seed": (1 << 64) - 1, "temperature": 0.7})
+    @example(body={"prompt": [1], "beam_width": 128, "max_tokens": 8191})
+    @example(body={"prompt": [1], "beam_width": 2, "exclude_item_ids": ["a", 7]})
     def run(body):
         sent.append(1)
         payload = encode(body)

@@ -4,6 +4,7 @@ leaving, and beams that share their prompt's cache against beams that copy it.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.model.llama import ModelShape
 
+from .conftest import require_kernel
 from .test_generation import random_prompts
 
 
@@ -104,8 +106,8 @@ def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
 
 
 def run_beams(runner, prompts, widths, rounds, trie=None, digits: int | None = 3):
-    requests = [BeamRequest(i, p, w, r, None) for i, (p, w, r) in enumerate(zip(prompts, widths, rounds))]
-    batch = BeamSearchBatch(runner, requests, trie=trie)
+    requests = [BeamRequest(i, p, w, r, None, trie) for i, (p, w, r) in enumerate(zip(prompts, widths, rounds))]
+    batch = BeamSearchBatch(runner, requests)
     results = {}
     with torch.inference_mode():
         items = batch.prefill()
@@ -171,7 +173,7 @@ def test_item_constrained_beams_agree_on_both_engines(native, copied):
 
     from .test_beam_search import ITEMS
 
-    trie = ItemTrie(ITEMS, torch.device("cpu"))
+    trie = ItemTrie.of(ITEMS, torch.device("cpu"))
     prompts = random_prompts(15, [20, 33])
     found = run_beams(native, prompts, [16, 8], [3, 3], trie, digits=None)
     assert_same_beams(found, run_beams(copied, prompts, [16, 8], [3, 3], trie, digits=None))
@@ -180,14 +182,23 @@ def test_item_constrained_beams_agree_on_both_engines(native, copied):
 
 
 def test_item_trie_rejects_mixed_lengths_and_masks_by_prefix():
-    from xllm_async.engine.item_trie import ItemTrie
+    from xllm_async.engine.item_trie import ItemTrie, LeafFilter
 
     with pytest.raises(ValueError):
-        ItemTrie([(1, 2), (3,)], torch.device("cpu"))
-    trie = ItemTrie([(1, 2), (1, 3), (4, 2)], torch.device("cpu"))
-    assert trie.vocab[0].tolist() == [1, 4] and trie.vocab[1].tolist() == [2, 3]
-    one, four = trie.step(0, 1), trie.step(0, 4)
-    assert trie.allowed(1, [one, four]).tolist() == [[True, True], [True, False]]
+        ItemTrie.of([(1, 2), (3,)], torch.device("cpu"))
+    trie = ItemTrie.of([(4, 2), (1, 3), (1, 2), (1, 2)], torch.device("cpu"))
+    assert trie.leaves == 3 and trie.vocab[0].tolist() == [1, 4] and trie.vocab[1].tolist() == [2, 3]
+    root = trie.expand(0, np.array([0]))
+    assert root.mask.tolist() == [[True, True]] and root.counts.tolist() == [2]
+    one, four = root.child[0, 0], root.child[0, 1]
+    second = trie.expand(1, np.array([one, four]))
+    assert second.mask.tolist() == [[True, True], [True, False]] and second.counts.tolist() == [2, 1]
+    assert [second.child[0, 0], second.child[0, 1], second.child[1, 0]] == [0, 1, 2]  # the leaves, sorted
+    # A filter removes a node once none of its leaves is left: (1, 2) and (1, 3) gone leave 1 no child.
+    gone = trie.expand(0, np.array([0]), LeafFilter(drop=np.array([0, 1])))
+    assert gone.mask.tolist() == [[False, True]] and gone.counts.tolist() == [1]
+    only = trie.expand(1, np.array([one]), LeafFilter(keep=np.array([1])))
+    assert only.mask.tolist() == [[False, True]]
 
 
 def test_budget_counts_packed_tokens_a_beam_prompt_once_and_the_cache_rectangle():
@@ -202,6 +213,36 @@ def test_budget_counts_packed_tokens_a_beam_prompt_once_and_the_cache_rectangle(
     assert BatchBudget(8, 10_000, packed=True, kv_tokens=900).take(deque(reqs)) == reqs[:2]
     wide = [BeamRequest(i, [0] * 1000, 64, 3, None) for i in range(3)]
     assert len(BatchBudget(256, 8192, packed=True).take(deque(wide))) == 3  # 3 x (1000 + 128), not 3 x 64,000
+
+
+def test_budget_counts_every_beam_x_its_rounds_against_the_cache():
+    from collections import deque
+
+    # Alone, each needs its prompt's row (100) and 8 beams x 4 own tokens: 132.
+    beams = [BeamRequest(i, [0] * 100, 8, 5, None) for i in range(2)]
+    assert BatchBudget(256, 8192, packed=True, kv_tokens=300).take(deque(beams)) == beams  # 200 + 16 x 4
+    assert BatchBudget(256, 8192, packed=True, kv_tokens=250).take(deque(beams)) == beams[:1]  # the other waits
+    budget = BatchBudget(256, 8192, packed=True, kv_tokens=131)
+    assert budget.cache_alone(beams[0]) == 132 and budget.never_fits(beams[0])
+    assert not BatchBudget(256, 8192, packed=True, kv_tokens=132).never_fits(beams[0])
+    # A single round is scored from the prefill alone: no cache at all.
+    assert BatchBudget(256, 8192, kv_tokens=1).cache_alone(BeamRequest(0, [0] * 100, 8, 1, None)) == 0
+
+
+def test_beam_caches_come_out_of_the_slots_arena(tiny_model_dir):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
+    runner.set_kv_cache(runner.kv_layout.token_bytes * 300, 1)
+    with torch.inference_mode():
+        _, state = runner.beam_prefill([[1] * 20, [2] * 30], [16, 8], 5)
+        buffer = runner._arena()._buffer
+        assert state.own.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        # After the prompts' 2 x 30 tokens: 24 beams x 4 rounds.
+        assert state.own.shape[2:5:2] == (24, 4)
+        assert state.own.storage_offset() == 60 * runner.kv_layout.token_elements
+        with pytest.raises(MemoryError):  # 30 + 72 x 4 > 300: refused, nothing allocated beside the arena
+            runner.beam_prefill([[1] * 30], [72], 5)
 
 
 def test_families_we_run_and_those_left_to_transformers():
@@ -226,6 +267,30 @@ def _packings() -> list[str]:
     return kinds
 
 
+def _require_packing(kind: str) -> None:
+    """Ours: failed, not skipped, where this CPU has the instructions and it did not verify (conftest)."""
+    if kind == "ours":
+        require_kernel("linear")
+    elif kind not in _packings():
+        pytest.skip(f"no {kind} linear on this machine")
+
+
+@pytest.mark.kernel("linear")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_our_linear_refuses_a_bias_of_another_length(dtype):
+    """It reads n bias values: a shorter bias was read past its end, a longer one taken in part."""
+    if dtype == torch.float32:
+        require_kernel("float32 linear")
+    packed = torch.ops.xllm.pack_linear(torch.ones(40, 32, dtype=dtype))
+    x = torch.ones(3, 32, dtype=dtype)
+    assert torch.equal(torch.ops.xllm.linear(x, packed, torch.ones(40), 40), torch.full((3, 40), 33, dtype=dtype))
+    for bias in (torch.ones(39), torch.ones(41), torch.ones(1), torch.ones(2, 20)):
+        with pytest.raises(RuntimeError, match="bias"):
+            torch.ops.xllm.linear(x, packed, bias.to(dtype), 40)
+    with pytest.raises(RuntimeError, match="bias"):  # (checked whatever the rows)
+        torch.ops.xllm.linear(x[:0], packed, torch.ones(3), 40)
+
+
 @pytest.mark.parametrize("kind", ["ours", "onednn"])
 def test_packed_linears_compute_what_plain_ones_do(kind):
     """Every row count (a block of 32 rows and its tail, groups of 4 rows and their tails, and
@@ -233,8 +298,7 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
     within bfloat16 rounding of the plain layer's float32 product."""
     from xllm_async.model.layers import OUR_MAX_ROWS, Linear, pack_linears
 
-    if kind not in _packings():
-        pytest.skip(f"no {kind} linear on this machine")
+    _require_packing(kind)
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
     with torch.inference_mode():
@@ -253,12 +317,10 @@ def test_our_float32_linear_computes_what_the_plain_one_does(tiny_model_dir):
     of 32 and past it), an odd input width, a last column block part padding, a bias: equal to the
     plain layer within float32 summation order. A float32 model gets it, with no oneDNN copy and
     no padded rows."""
-    from xllm_async.model import cpu_kernels
     from xllm_async.model.layers import Linear, pack_linears
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if not cpu_kernels.our_float32_linear():
-        pytest.skip("no float32 linear of ours on this machine")
+    require_kernel("float32 linear")
     torch.manual_seed(0)
     layer = Linear(63, 100, bias=True)
     with torch.inference_mode():
@@ -278,8 +340,7 @@ def test_our_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(ti
     head serves them; elsewhere the plain head does. Either way they are the whole logits' columns."""
     from xllm_async.runtime.model_runner import ModelRunner
 
-    if "ours" not in _packings():
-        pytest.skip("no linear of ours on this machine")
+    require_kernel("linear")
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     assert runner.model.packed_lm_head.kind == "ours"
     hidden = torch.randn(7, runner.model.shape.hidden).bfloat16()
@@ -301,7 +362,7 @@ def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(nati
     from .test_beam_search import ITEMS
 
     items = ITEMS if table == "mixed" else list({key[:2]: key for key in ITEMS}.values())
-    trie = ItemTrie(items, torch.device("cpu"))
+    trie = ItemTrie.of(items, torch.device("cpu"))
     prompts = random_prompts(18, [20, 33, 9])
     widths = [16, 8, 1]
     fed = []
@@ -310,7 +371,7 @@ def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(nati
                         feed(state, tokens, *rest))
     skipping = run_beams(native, prompts, widths, [3, 3, 3], trie)
     rounds_skipping = list(fed)
-    monkeypatch.setattr(BeamSearchBatch, "_forced", lambda self: None)
+    monkeypatch.setattr(BeamSearchBatch, "_forced", lambda self, expansions: None)
     assert run_beams(native, prompts, widths, [3, 3, 3], trie) == skipping
     assert fed[len(rounds_skipping):] == [25, 25]  # every beam fed in both rounds
     if table == "mixed":
@@ -363,8 +424,7 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     from xllm_async.model import cpu_kernels, layers
     from xllm_async.runtime import model_runner
 
-    if kind not in _packings():
-        pytest.skip(f"no {kind} linear on this machine")
+    _require_packing(kind)
     monkeypatch.setattr(model_runner, "linear_packing", lambda device, dtype: kind)
     runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     runner.set_kv_cache(64 << 20, 1)
@@ -458,6 +518,55 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
     spans.clear()  # float32 takes the kernel's other path: exact lengths
     attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(), dim ** -0.5)
     assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
+
+
+@pytest.mark.parametrize("refusal", [
+    RuntimeError("GQA is not supported with the cuDNN backend."),
+    RuntimeError("FlashAttention only supports Ampere GPUs or newer."),
+    RuntimeError("CUDA error: no kernel image is available for execution on the device"),
+    TypeError("varlen_attn() got an unexpected keyword argument 'window_size'"),
+    ValueError("Expect number of query heads to be a multiple of kv heads"),
+    NotImplementedError("varlen_attn on this device"),
+])
+def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_run(monkeypatch, caplog, refusal):
+    """A failure of one call (out of memory, a device fault) fails that forward's batch and leaves
+    varlen flash attention on for the next; one that says this build or device cannot run it turns
+    it off for good, with one warning, and the packed prompts' SDPA calls answer instead. Once,
+    any failure turned it off for the whole process. (torch's function replaced by a stand-in:
+    it runs only on CUDA.)"""
+    from xllm_async.model import attention, cpu_kernels
+
+    failures = iter([torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                     RuntimeError("CUDA error: an illegal memory access was encountered"), refusal])
+    calls = []
+
+    def stand_in(q, k, v, *args, **kwargs):
+        calls.append(q.shape[0])
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return torch.zeros_like(q)
+
+    flash = attention._FlashVarlen()
+    flash.fn, flash.extra, flash.gqa, flash.scale = stand_in, {}, True, True
+    flash.usable = lambda q: flash.fn is not None  # (a CPU tensor stands in for a CUDA one)
+    monkeypatch.setattr(attention, "_VARLEN", flash)
+    monkeypatch.setattr(cpu_kernels, "_varlen", None)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(11, 2, 16, generator=gen) for _ in range(3))
+    prefill = attention.PackedPrefill([5, 6], torch.device("cpu"))
+    prefill.cu_lengths = torch.tensor([0, 5, 11], dtype=torch.int32)
+    with pytest.raises(torch.OutOfMemoryError):
+        prefill.attend(0, q, k, v, 0.25)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        prefill.attend(0, q, k, v, 0.25)
+    assert flash.fn is stand_in  # still on: the next batch tries it again
+    with caplog.at_level("WARNING", logger="xllm_async.model"):
+        out = prefill.attend(0, q, k, v, 0.25)
+    assert flash.fn is None and caplog.text.count("varlen flash attention unusable") == 1
+    assert len(calls) == 3 and out.abs().sum() > 0  # SDPA's answer, not the stand-in's zeros
+    assert torch.equal(prefill.attend(0, q, k, v, 0.25), out) and len(calls) == 3  # off for good
+    assert not attention.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
 
 
 def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monkeypatch):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from .client import post, stream_events
+from .hold import wait_until
 from .test_generation import complete, random_prompts
+from .test_robustness import metric
 
 PROMPT = random_prompts(11, [25])[0]
 
@@ -80,6 +83,32 @@ def test_seeded_sampling_is_reproducible_and_n_choices_differ(any_server):
     # The prompt is counted once, as OpenAI and vLLM count it, however many choices share it.
     single = post(any_server.port, "/v1/completions", {**request, "n": 1})[1]
     assert first["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("config", ["fixed_steps-N1", "continuous-N1"])
+def test_the_largest_seed_fails_no_request_beside_it(servers, config):
+    """A seed at the edge of 64 bits, its choices' seeds past it, joins another client's running
+    generation: both are answered, and the seeded one the same as when it runs alone."""
+    server = servers(config)
+    other = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0.7, "ignore_eos": True}
+    seeded = {"prompt": PROMPT[:5], "max_tokens": 5, "n": 2, "seed": 2**64 - 1, "temperature": 1.0,
+              "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        with server.hold("prefill"):  # the other's batch holds the only slot; the seeded one joins it
+            first = pool.submit(post, server.port, "/v1/completions", other)
+            server.hold.wait_held("prefill")
+            second = pool.submit(post, server.port, "/v1/completions", seeded)
+            wait_until(lambda: metric(server, "xllm:num_requests_waiting") == 2, what="the seeded request queued")
+        (status, body, _), (seeded_status, together, _) = first.result(120), second.result(120)
+    assert status == 200, body
+    assert seeded_status == 200, together
+    assert body["usage"]["completion_tokens"] == 30
+    status, alone, _ = post(server.port, "/v1/completions", seeded)
+    assert status == 200, alone
+    assert [c["text"] for c in alone["choices"]] == [c["text"] for c in together["choices"]]
+    # -1 is the same seed to torch's generator as 2^64 - 1, which its choice 1 wraps past.
+    status, wrapped, _ = post(server.port, "/v1/completions", {**seeded, "seed": -1})
+    assert status == 200 and [c["text"] for c in wrapped["choices"]] == [c["text"] for c in alone["choices"]]
 
 
 def test_top_k_one_is_greedy(server, reference):

@@ -48,6 +48,7 @@ class Settings:
     api_key: str | None = None
     max_beam_width: int = 128
     max_num_return_sequences: int = 128
+    max_beam_rounds: int = 64
     beam_max_tokens: int = 3
     item_table: str | None = None
     log_level: str = "info"
@@ -177,9 +178,12 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
                                   "`Authorization: Bearer <key>`"),
     "max_beam_width": (_int_range(1, 1024), "largest `beam_width` of a beam (recommendation) request"),
     "max_num_return_sequences": (_int_range(1, 1024), "largest `num_return_sequences` of a beam request"),
+    "max_beam_rounds": (_int_range(1), "largest `max_tokens` (rounds) of a beam request; its beams' own caches "
+                                       "count against XLLM_KV_CACHE_BYTES"),
     "beam_max_tokens": (_int_range(1), "rounds (item id length) of a beam request that sends no `max_tokens`"),
     "item_table": (_optional(_text), "file of `<item id><TAB><token ids>` lines, all of one length; beam searches then "
-                                      "return only items, each choice with its `item_id`"),
+                                      "return only items, each choice with its `item_id` and `item_ids`; SIGHUP "
+                                      "reloads it"),
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),

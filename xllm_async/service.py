@@ -16,10 +16,9 @@ from .api.items import ItemTable, ItemTableError
 from .api.requests import BeamLimits, ModelInfo
 from .config import ConfigError, Settings
 from .engine.engine import Engine
-from .engine.item_trie import ItemTrie
 from .http.protocol import HttpLimits
 from .http.server import HttpServer
-from .metrics import Gauge, Metrics, ProcessFigures
+from .metrics import Counter, Gauge, Metrics, ProcessFigures
 from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
@@ -50,10 +49,12 @@ class Service:
         self._trim = None
         self._trim_handle: asyncio.TimerHandle | None = None
         self._trim_schedule = TrimSchedule(TRIM_INTERVAL)
-        try:
-            self.items = ItemTable.load(settings.item_table) if settings.item_table else None
-        except ItemTableError as exc:
-            raise ConfigError(f"invalid XLLM_ITEM_TABLE: {exc}") from None
+        self._reloading = False
+        self._reload_task: asyncio.Task | None = None
+        # The rounds a beam request runs when it sends no max_tokens must be within the limit.
+        if settings.beam_max_tokens > settings.max_beam_rounds:
+            raise ConfigError(f"invalid XLLM_MAX_BEAM_ROUNDS={settings.max_beam_rounds}: expected at least "
+                              f"XLLM_BEAM_MAX_TOKENS ({settings.beam_max_tokens})")
         try:
             device = resolve_device(settings.devices)
         except DeviceError as exc:
@@ -70,6 +71,10 @@ class Service:
                 raise ConfigError(f"invalid XLLM_MAX_MODEL_LEN={settings.max_model_len}: "
                                   f"expected at most the model's {self.runner.max_model_len}")
             self.runner.max_model_len = settings.max_model_len
+        try:  # checked against the model's vocabulary, so after the model
+            self.items = self._load_items() if settings.item_table else None
+        except ItemTableError as exc:
+            raise ConfigError(f"invalid XLLM_ITEM_TABLE: {exc}") from None
 
         continuous = settings.scheduler == "continuous"
         num_slots = 1 if continuous else settings.concurrent_execute_stream_num
@@ -84,20 +89,19 @@ class Service:
         self.slots = start_slots(self.runner.device, num_slots,
                                  settings.torch_threads, settings.slot_nice)
         self._capture_graphs(settings.graph_max_tokens)
-        warm_up = getattr(runner, "warm_up", None)
-        if warm_up is not None and self.runner.device.type == "cpu":
-            warm_up(settings.max_tokens_per_batch,
+        if self.runner.device.type == "cpu":
+            self.runner.warm_up(settings.max_tokens_per_batch,
                     {n for slot in self.slots for n in (slot.binding.cpu_threads, slot.binding.all_threads)})
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
                                lambda: self.runner.load_seconds))
-        trie = ItemTrie(self.items.items, self.runner.device) if self.items else None
         self.engine = Engine(self.runner, self.slots, settings.scheduler, settings.max_seqs_per_batch,
                              settings.max_tokens_per_batch, settings.max_queued_requests, self.metrics,
-                             settings.queue_timeout, trie)
+                             settings.queue_timeout)
         self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
-        beam = BeamLimits(not continuous, settings.max_beam_width, settings.max_num_return_sequences,
-                          settings.beam_max_tokens, self.items.item_length if self.items else 0)
+        self.beam = beam = BeamLimits(not continuous, settings.max_beam_width, settings.max_num_return_sequences,
+                                      settings.beam_max_tokens, self.items.item_length if self.items else 0,
+                                      settings.max_beam_rounds)
         model = ModelInfo(self.name, self.runner.tokenizer, self.runner.vocab_size, self.runner.max_model_len,
                           settings.max_n, beam)
         info = {
@@ -108,7 +112,8 @@ class Service:
             "max_tokens_per_batch": settings.max_tokens_per_batch,
             "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,
             "max_queued_requests": settings.max_queued_requests, "max_beam_width": settings.max_beam_width,
-            "item_table": settings.item_table, "item_count": len(self.items.items) if self.items else 0,
+            "max_beam_rounds": settings.max_beam_rounds,
+            "item_table": settings.item_table, "item_count": 0,  # the loaded table's figures: OpenAIApp.info
         }
         self.app = OpenAIApp(self.engine, model, info, settings.access_log, settings.api_key, self.items)
         limits = HttpLimits(settings.max_body_bytes, settings.max_connections, settings.read_timeout,
@@ -120,12 +125,58 @@ class Service:
             self.metrics.add(Gauge("process_resident_memory_bytes", "Resident memory of this process.",
                                    resident_memory_bytes))
         self.metrics.add(ProcessFigures())
+        self.item_loads = Counter("item_table_loads_total", "Item table loads (start-up and SIGHUP), by result.",
+                                  ("result",))
+        self.metrics.add(self.item_loads)
+        self.metrics.add(Gauge("item_table_items", "Items in the loaded item table.",
+                               lambda: self.app.items.count if self.app.items else 0))
+        if self.items is not None:
+            self.item_loads.inc(1, "ok")
+
+    def _load_items(self) -> ItemTable:
+        started = time.monotonic()
+        table = ItemTable.load(self.settings.item_table, self.runner.vocab_size, self.runner.device)
+        if table.item_length > self.settings.max_beam_rounds:  # its searches could never run
+            raise ItemTableError(f"{table.path}: items of {table.item_length} tokens; XLLM_MAX_BEAM_ROUNDS="
+                                 f"{self.settings.max_beam_rounds} allows at most that many rounds")
+        log.info("item table %s: %s, version %s, %.1f MB, loaded in %.2f s", table.path, table.summary(),
+                 table.version, table.nbytes() / 1e6, time.monotonic() - started)
+        return table
+
+    def reload_items_soon(self) -> None:
+        """A signal handler's call: start a reload and keep its task (the loop holds tasks weakly)."""
+        self._reload_task = asyncio.get_running_loop().create_task(self.reload_items())
+
+    async def reload_items(self) -> bool:
+        """SIGHUP: read XLLM_ITEM_TABLE again, off the loop, and swap the new table in whole.
+        Requests already admitted finish on the table they started with; a file that fails its
+        checks leaves the old table serving."""
+        if not self.settings.item_table:
+            log.warning("SIGHUP: no item table to reload (XLLM_ITEM_TABLE is not set)")
+            return False
+        if self._reloading:
+            log.warning("SIGHUP: an item table reload is already running; this one is ignored")
+            return False
+        self._reloading = True
+        try:
+            table = await asyncio.to_thread(self._load_items)
+        except Exception as exc:  # noqa: BLE001  (whatever went wrong, the old table keeps serving)
+            self.item_loads.inc(1, "error")
+            log.error("item table reload failed, the old table stays: %s",
+                      exc if isinstance(exc, ItemTableError) else f"{type(exc).__name__}: {exc}")
+            return False
+        finally:
+            self._reloading = False
+        self.items = self.app.items = table
+        self.beam.item_length = self.beam.default_rounds = table.item_length
+        self.item_loads.inc(1, "ok")
+        return True
 
     def _capture_graphs(self, max_tokens: int) -> None:
         """On accelerators, each slot captures its graphs on its own thread and stream, one slot
         after another (a capture must not meet another thread's allocations)."""
-        capture = getattr(self.runner, "capture_graphs", None)
-        if capture is None or not max_tokens or self.runner.device.type == "cpu":
+        capture = self.runner.capture_graphs
+        if not max_tokens or self.runner.device.type == "cpu":
             return
         for slot in self.slots:
             try:

@@ -15,14 +15,14 @@ import orjson
 
 from .. import __version__
 from ..engine.beam import BeamRequest
-from ..engine.engine import Engine, EngineFull, TooManySequences
+from ..engine.engine import CacheTooSmall, Engine, EngineFull, TooManySequences
 from ..engine.output import OutputStream
 from ..engine.request import EngineRequest
 from ..errors import ApiError
 from ..http.protocol import HttpRequest
 from ..http.response import TEXT, Responder
 from .access_log import AccessLog, AccessRecord
-from .items import ItemTable
+from .items import ItemFilter, ItemTable
 from .requests import GenerationSpec, ModelInfo, holds_long_text, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
 
@@ -52,6 +52,8 @@ class OpenAIApp:
     def __init__(self, engine: Engine, model: ModelInfo, server_info: dict, access_log: str = "plain",
                  api_key: str | None = None, items: ItemTable | None = None) -> None:
         self.engine = engine
+        # The item table; a reload (SIGHUP) replaces it whole. A request reads it once, when it
+        # arrives, and keeps that table to its answer.
         self.items = items
         self.api_key = api_key.encode() if api_key else None
         self.draining = False  # shutting down: /health says 503 so that balancers stop sending
@@ -168,7 +170,11 @@ class OpenAIApp:
         responder.send(200, self.metrics.render(), content_type=TEXT)
 
     async def info(self, request: HttpRequest, responder: Responder) -> None:
-        responder.send(200, orjson.dumps({**self.server_info, "version": __version__,
+        table = self.items
+        items = {} if table is None else {
+            "item_table": table.path, "item_count": table.count, "item_tuples": table.trie.leaves,
+            "item_table_version": table.version, "item_table_loaded_at": round(table.loaded_at, 3)}
+        responder.send(200, orjson.dumps({**self.server_info, **items, "version": __version__,
                                           "uptime_seconds": round(time.time() - self.started, 3)}))
 
     async def version(self, request: HttpRequest, responder: Responder) -> None:
@@ -198,8 +204,14 @@ class OpenAIApp:
         # in the moment before its health check saw the 503. Its connection closes after it.
         num = len(spec.prompts) * spec.n
         stream = OutputStream(num)
+        items = narrowed = None
         if spec.beam_width is not None:
-            requests = [BeamRequest(i, prompt, spec.beam_width, spec.params.max_tokens, stream)
+            items = self.items
+            if items is not None:
+                narrowed = self._narrow(items, spec)
+            trie = None if items is None else items.trie
+            leaves = None if narrowed is None else narrowed.leaves
+            requests = [BeamRequest(i, prompt, spec.beam_width, spec.params.max_tokens, stream, trie, leaves)
                         for i, prompt in enumerate(spec.prompts)]
         else:
             requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
@@ -220,6 +232,9 @@ class OpenAIApp:
             self.engine.submit(requests)
         except TooManySequences as exc:
             raise ApiError(400, f"Request too large: {exc}", param="n" if spec.n > 1 else "prompt") from None
+        except CacheTooSmall as exc:  # (only a beam search can: start-up fits the longest sequence)
+            raise ApiError(400, f"Request too large: {exc}; ask for fewer beams or rounds",
+                           param="beam_width" if spec.beam_width is not None else "prompt") from None
         except EngineFull as exc:
             raise ApiError(503, f"Server overloaded: {exc}; retry later", headers=b"retry-after: 1\r\n") from None
         choices = [Choice() for _ in range(num)]
@@ -234,8 +249,8 @@ class OpenAIApp:
                 if error is not None:
                     raise error
                 if spec.beam_width is not None:
-                    responder.send(200, shape.beam_response(self._chosen_beams(timer.beams, spec),
-                                                            self.items is not None))
+                    responder.send(200, shape.beam_response(self._chosen_beams(timer.beams, spec, items, narrowed),
+                                                            items is not None))
                 else:
                     if spec.scoring is not None:
                         shape.score(spec.scoring, requests, choices)
@@ -244,12 +259,39 @@ class OpenAIApp:
             if stream.unfinished:  # the client went away (or we failed): stop spending compute
                 self.engine.abort(requests)
 
-    def _chosen_beams(self, beams: list, spec: GenerationSpec) -> list[list[tuple]]:
+    @staticmethod
+    def _narrow(items: ItemTable, spec: GenerationSpec) -> ItemFilter | None:
+        """The request's item filters against this table: unknown ids get 400 naming them, and
+        so does a filter that leaves no item."""
+        if spec.params.max_tokens != items.item_length:  # the table was reloaded since the request was read
+            raise ApiError(400, f"Items of this server's table are {items.item_length} tokens long: `max_tokens` "
+                                f"must be {items.item_length} with `beam_width` (or absent)", param="max_tokens")
+        if spec.allowed_items is None and spec.excluded_items is None:
+            return None
+        found = {}
+        for name, ids in (("allowed_item_ids", spec.allowed_items), ("exclude_item_ids", spec.excluded_items)):
+            if ids is None:
+                continue
+            numbers, missing = items.find(ids)
+            if missing:
+                shown = ", ".join(repr(m) for m in missing[:10]) + (" ..." if len(missing) > 10 else "")
+                raise ApiError(400, f"`{name}` names {len(missing)} item(s) not in the item table: {shown}",
+                               param=name)
+            found[name] = numbers
+        narrowed = items.narrow(found.get("allowed_item_ids"), found.get("exclude_item_ids"))
+        if narrowed.leaves.count(items.trie.leaves) == 0:
+            name = "allowed_item_ids" if spec.allowed_items is not None else "exclude_item_ids"
+            raise ApiError(400, "The item filters leave no item to recommend", param=name)
+        return narrowed
+
+    def _chosen_beams(self, beams: list, spec: GenerationSpec, items: ItemTable | None,
+                      narrowed: ItemFilter | None) -> list[list[tuple]]:
+        """Per prompt, its best num_return_sequences beams, each with the ids of the items it spells."""
         count = spec.num_return_sequences
-        if self.items is None:
+        if items is None:
             chosen = [[(b, None) for b in found[:count]] for found in beams]
         else:
-            chosen = [self.items.select(found, count) for found in beams]
+            chosen = [[(b, items.items_of(b.leaf, narrowed)) for b in found[:count]] for found in beams]
         for answer in chosen:
             self.metrics.beam_requests.inc()
             self.metrics.beams.observe(spec.beam_width)

@@ -7,9 +7,9 @@ import inspect
 
 import orjson
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
-from .fields import Fields, bad, shown
+from .fields import Fields, bad, is_int, shown
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -30,15 +30,17 @@ UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, 
 class BeamLimits:
     """What beam (recommendation) requests may ask for on this server."""
 
-    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds", "item_length")
+    __slots__ = ("supported", "max_beam_width", "max_num_return_sequences", "default_rounds", "item_length",
+                 "max_rounds")
 
     def __init__(self, supported: bool = True, max_beam_width: int = 128, max_num_return_sequences: int = 128,
-                 default_rounds: int = 3, item_length: int = 0) -> None:
+                 default_rounds: int = 3, item_length: int = 0, max_rounds: int = 64) -> None:
         self.supported = supported  # the continuous scheduler runs no beam search
         self.max_beam_width = max_beam_width
         self.max_num_return_sequences = max_num_return_sequences
         self.default_rounds = item_length or default_rounds
         self.item_length = item_length  # with an item table: every item id's length in tokens (0: no table)
+        self.max_rounds = max_rounds
 
 
 class ModelInfo:
@@ -71,7 +73,7 @@ class GenerationSpec:
     """One validated request: its prompts (token ids), parameters and output options."""
 
     __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
-                 "num_return_sequences", "scoring")
+                 "num_return_sequences", "scoring", "allowed_items", "excluded_items")
 
     def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
                  num_return_sequences=1) -> None:
@@ -85,6 +87,9 @@ class GenerationSpec:
         self.beam_width: int | None = beam_width  # set: a beam search (params.max_tokens = its rounds)
         self.num_return_sequences: int = num_return_sequences
         self.scoring: Scoring | None = None  # completions that echo or score their prompts
+        # A beam search's filters of the item table (item ids as sent; the route resolves them).
+        self.allowed_items: list[str] | None = None
+        self.excluded_items: list[str] | None = None
 
 
 class Scoring:
@@ -181,6 +186,9 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     if beam_width is not None and model.beam.item_length and max_tokens != model.beam.item_length:
         raise bad("max_tokens", f"Items of this server's table are {model.beam.item_length} tokens long: "
                                 f"`max_tokens` must be {model.beam.item_length} with `beam_width` (or absent)")
+    if beam_width is not None and max_tokens > model.beam.max_rounds:
+        raise bad("max_tokens", f"A beam search runs at most {model.beam.max_rounds} rounds on this server "
+                                f"(XLLM_MAX_BEAM_ROUNDS): `max_tokens` must be at most that with `beam_width`")
     longest = max(len(p) for p in prompts)
     if longest >= model.max_model_len:
         raise bad(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens, "
@@ -198,7 +206,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         top_p=fields.float("top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(top_k, 0),  # -1 and 0 both mean "off", as in vLLM
         min_p=fields.float("min_p", 0.0, 0.0, 1.0),
-        seed=fields.int("seed", None),
+        seed=fields.int("seed", None, MIN_SEED, MAX_SEED),
         stop=fields.str_list("stop", MAX_STOP_STRINGS),
         stop_token_ids=frozenset(fields.int_list("stop_token_ids", 0, model.vocab_size - 1)),
         ignore_eos=fields.bool("ignore_eos", False),
@@ -215,12 +223,34 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     include_usage = stream and options.bool("include_usage", False)
     n = fields.int("n", 1, 1, model.max_n)
     if beam_width is None:
+        for name in ITEM_FILTERS:
+            if fields.raw(name) is not None:
+                raise bad(name, f"`{name}` applies to a beam search over the item table: give `beam_width` too")
         return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
     _check_beam_fields(fields, params)
     num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
     if n != 1:
         raise bad("n", "`n` must be 1 with `beam_width`; ask for `num_return_sequences` instead")
-    return GenerationSpec(prompts, params, 1, stream, include_usage, chat, logprobs, beam_width, num_return)
+    spec = GenerationSpec(prompts, params, 1, stream, include_usage, chat, logprobs, beam_width, num_return)
+    spec.allowed_items, spec.excluded_items = (_item_ids(fields, name, model) for name in ITEM_FILTERS)
+    return spec
+
+
+ITEM_FILTERS = ("allowed_item_ids", "exclude_item_ids")
+
+
+def _item_ids(fields: Fields, name: str, model: ModelInfo) -> list[str] | None:
+    """An item filter's ids as strings (numbers are taken for the ids they spell), or None."""
+    value = fields.raw(name)
+    if value is None:
+        return None
+    if not model.beam.item_length:
+        raise bad(name, f"`{name}` filters the item table, and this server has none (XLLM_ITEM_TABLE)")
+    if not isinstance(value, list) or not all(isinstance(v, str) or is_int(v) for v in value):
+        raise bad(name, f"`{name}` must be a list of item ids (strings or integers)")
+    if name == "allowed_item_ids" and not value:
+        raise bad(name, "`allowed_item_ids` must name at least one item")
+    return [v if isinstance(v, str) else str(v) for v in value]
 
 
 def _beam_width(fields: Fields, model: ModelInfo) -> int | None:

@@ -70,12 +70,13 @@ class ResponseShape:
         })
 
     def beam_response(self, selected: list[list[tuple]], with_items: bool) -> bytes:
-        """Choices of beam searches: per prompt, its chosen (BeamResult, item id) pairs, best first.
-        The token ids name items, so every choice carries them."""
+        """Choices of beam searches: per prompt, its chosen (BeamResult, item ids) pairs, best first.
+        The token ids name items, so every choice carries them; with an item table, `item_id` is
+        the first item (in the table's order) that spells them and `item_ids` all of them."""
         choices = []
         completion_tokens = 0
         for pairs in selected:
-            for beam, item_id in pairs:
+            for beam, item_ids in pairs:
                 choice = Choice()
                 choice.parts.append(beam.text)
                 choice.finish_reason = "length"
@@ -83,7 +84,8 @@ class ResponseShape:
                 body["token_ids"] = beam.token_ids
                 body["cumulative_logprob"] = beam.cumulative_logprob
                 if with_items:
-                    body["item_id"] = item_id
+                    body["item_id"] = item_ids[0] if item_ids else None
+                    body["item_ids"] = item_ids
                 choices.append(body)
                 completion_tokens += len(beam.token_ids)
         return orjson.dumps({

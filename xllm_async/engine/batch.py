@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from .request import Delta, EngineRequest
-from .sampling import make_generator, sample
+from .runner import Runner
+from .sampling import sample
 
 Items = list[tuple[EngineRequest, Delta]]
 
@@ -16,19 +17,18 @@ class GenerationBatch:
     prefill() runs once, decode() once per round; finished rows leave the
     batch (and the cache) right after the step that finished them, so they
     stop costing work. Every step returns [(request, delta), ...] for the loop.
+    Its requests come prepared (EngineRequest.prepare): nothing a request brings
+    is turned into state here, where a failure would fail the whole batch.
     """
 
     __slots__ = ("runner", "requests", "kv", "_next_tokens", "_metrics")
 
-    def __init__(self, runner, requests: list[EngineRequest], metrics=None) -> None:
+    def __init__(self, runner: Runner, requests: list[EngineRequest], metrics=None) -> None:
         self.runner = runner
         self.requests = requests
         self.kv = None
         self._next_tokens: list[int] = []
         self._metrics = metrics
-        for req in requests:
-            req.bind(runner.tokenizer, runner.eos_token_ids, runner.max_model_len)
-            req.generator = make_generator(req.params, runner.device, req.index)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -39,9 +39,6 @@ class GenerationBatch:
     def add(self, requests: list[EngineRequest]) -> Items:
         """Prefill new requests into this running batch (the continuous scheduler):
         their keys join its cache as new rows, and they step with it from now on."""
-        for req in requests:
-            req.bind(self.runner.tokenizer, self.runner.eos_token_ids, self.runner.max_model_len)
-            req.generator = make_generator(req.params, self.runner.device, req.index)
         return self._prefill(requests, into=self)
 
     def _prefill(self, requests: list[EngineRequest], into: GenerationBatch | None = None) -> Items:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
-from ..model import cpu_kernels
 from .request import Delta, QueuedRequest
+from .runner import Runner
 
 # Vocabulary columns a beam round without an item table takes at a time (BeamSearchBatch._row_tops).
 # A fixed width, never one derived from the batch's rows: a beam's scores must not depend on which
@@ -35,23 +36,29 @@ LOGITS_BLOCK_COLUMNS = 16384
 class BeamResult:
     """One final sequence of a beam search."""
 
-    __slots__ = ("token_ids", "text", "cumulative_logprob")
+    __slots__ = ("token_ids", "text", "cumulative_logprob", "leaf")
 
-    def __init__(self, token_ids: list[int], text: str, cumulative_logprob: float) -> None:
+    def __init__(self, token_ids: list[int], text: str, cumulative_logprob: float, leaf: int | None = None) -> None:
         self.token_ids = token_ids
         self.text = text
         self.cumulative_logprob = cumulative_logprob
+        self.leaf = leaf  # with an item table: the tuple's number in its trie (which items it names)
 
 
 class BeamRequest(QueuedRequest):
     """A prompt searched with beam_width beams for `rounds` tokens."""
 
-    __slots__ = ("beam_width", "rounds")
+    __slots__ = ("beam_width", "rounds", "trie", "leaves")
 
-    def __init__(self, index: int, prompt_ids: list[int], beam_width: int, rounds: int, sink) -> None:
+    def __init__(self, index: int, prompt_ids: list[int], beam_width: int, rounds: int, sink,
+                 trie=None, leaves=None) -> None:
         super().__init__(index, prompt_ids, sink)
         self.beam_width = beam_width
         self.rounds = rounds
+        # The item table's trie this request searches (the one loaded when it arrived: a reload
+        # never changes a running search), and its own filter of the table's tuples, if any.
+        self.trie = trie
+        self.leaves = leaves
 
     @property
     def num_seqs(self) -> int:
@@ -68,20 +75,31 @@ class BeamRequest(QueuedRequest):
 
     @property
     def cache_tokens(self) -> int:
+        """Its prompt's cache row (none for a single round: nothing is fed after the prefill)."""
         return len(self.prompt_ids) if self.rounds > 1 else 0
+
+    @property
+    def own_rows(self) -> int:
+        return self.beam_width if self.rounds > 1 else 0
+
+    @property
+    def own_tokens(self) -> int:
+        """The tokens each beam keeps in its own cache: one a round after the first."""
+        return self.rounds - 1
 
 
 class _Group:
     """The live beams of one request."""
 
-    __slots__ = ("request", "tokens", "scores", "parents", "nodes", "round")
+    __slots__ = ("request", "trie", "tokens", "scores", "parents", "nodes", "round")
 
     def __init__(self, request: BeamRequest, device) -> None:
         self.request = request
+        self.trie = request.trie
         self.tokens: list[list[int]] = [[]]  # one token list per live beam; before round one, the prompt alone
         self.scores = torch.zeros(1, device=device)  # [live beams] cumulative log-probabilities
         self.parents: list[int] = []  # for each live beam, the row it continues among the last rows fed
-        self.nodes: list[int] = [0]  # each beam's trie node (the root before round one)
+        self.nodes = np.zeros(1, dtype=np.int64)  # each beam's trie node (the root before round one)
         self.round = 0
 
 
@@ -89,14 +107,13 @@ class BeamSearchBatch:
     """Beam requests that step together on one execution thread; same interface
     as GenerationBatch (prefill, decode, fail, len), deltas only at the end."""
 
-    __slots__ = ("runner", "requests", "groups", "state", "trie", "_metrics")
+    __slots__ = ("runner", "requests", "groups", "state", "_metrics")
 
-    def __init__(self, runner, requests: list[BeamRequest], metrics=None, trie=None) -> None:
+    def __init__(self, runner: Runner, requests: list[BeamRequest], metrics=None) -> None:
         self.runner = runner
         self.requests = requests
         self.groups: list[_Group] = []
         self.state = None
-        self.trie = trie
         self._metrics = metrics
 
     def __len__(self) -> int:
@@ -125,7 +142,8 @@ class BeamSearchBatch:
         starts = self.state.starts
         parents = [starts[i] + p for i, g in enumerate(self.groups) for p in g.parents]
         widths = [len(g.tokens) for g in self.groups]
-        forced = self._forced()
+        expansions = self._expand()
+        forced = self._forced(expansions)
         if forced is not None:  # only the beams that still choose are fed
             fed = [not f for f in forced]
             last = [t for t, f in zip(last, fed) if f]
@@ -133,12 +151,18 @@ class BeamSearchBatch:
             bounds = self._row_starts()
             widths = [sum(fed[a:b]) for a, b in zip(bounds, bounds[1:])]
         hidden = self.runner.beam_decode(self.state, last, parents, widths) if last else None
-        self._choose(hidden, forced)
+        self._choose(hidden, forced, expansions)
         if self._metrics is not None:
             self._metrics.batch_decoded(time.monotonic() - started, len(last))
         return self._finish_done()
 
-    def _forced(self) -> list[bool] | None:
+    def _expand(self) -> list | None:
+        """With an item table: each group's allowed continuations this round (trie.expand)."""
+        if self.groups[0].trie is None:
+            return None
+        return [g.trie.expand(g.round, g.nodes, g.request.leaves) for g in self.groups]
+
+    def _forced(self, expansions: list | None) -> list[bool] | None:
         """In the last round with an item table: for each beam, whether its prefix has one way
         to end (True), or None if no beam is so.
 
@@ -146,10 +170,9 @@ class BeamSearchBatch:
         0, and no later round reads the keys its last token would store. SGLang's jump-forward
         decoding skips forced tokens the same way. Semantic ids make this the common case: 5,000
         items of 3 codes of 256 leave almost every 2-code prefix one item."""
-        if self.trie is None or any(g.round + 1 < g.request.rounds for g in self.groups):
+        if expansions is None or any(g.round + 1 < g.request.rounds for g in self.groups):
             return None
-        single = self.trie.single
-        forced = [single[n] for g in self.groups for n in g.nodes]
+        forced = np.concatenate([e.counts == 1 for e in expansions]).tolist()
         return forced if any(forced) else None
 
     def _row_starts(self) -> list[int]:
@@ -165,52 +188,98 @@ class BeamSearchBatch:
         self.groups = []
         return items
 
-    def _choose(self, hidden: torch.Tensor | None, forced: list[bool] | None = None) -> None:
+    def _choose(self, hidden: torch.Tensor | None, forced: list[bool] | None = None,
+                expansions: list | None = None) -> None:
         """hidden: a row per live beam of every group, in order (only the beams not forced, if
         `forced` is given) -> each group's next beams."""
-        depth = self.groups[0].round  # every group of a batch is at the same round
-        # Row spans ranked together, each with its own k: all rows at once when every group has
-        # the same width, else a span per group. A row's top-k then never depends on which other
-        # requests share the batch (torch.topk may break ties differently for another k).
         rows = [len(g.tokens) for g in self.groups]
         widths = [g.request.beam_width for g in self.groups]
         starts = self._row_starts()
-        if len(set(widths)) == 1:
-            spans = [(0, starts[-1], widths[0])]
+        if self.groups[0].trie is None:
+            # Row spans ranked together, each with its own k: all rows at once when every group
+            # has the same width, else a span per group. A row's top-k then never depends on which
+            # other requests share the batch (torch.topk may break ties differently for another k).
+            if len(set(widths)) == 1:
+                spans = [(0, starts[-1], widths[0])]
+            else:
+                spans = [(starts[i], starts[i + 1], widths[i]) for i in range(len(self.groups))]
+            found = self._span_tops(hidden, spans)
+            tops = []
+            for i in range(len(self.groups)):
+                span = 0 if len(spans) == 1 else i
+                first = starts[i] - spans[span][0]
+                tops.append(tuple(t[first:first + rows[i]] for t in found[span]))
         else:
-            spans = [(starts[i], starts[i + 1], widths[i]) for i in range(len(self.groups))]
-        if self.trie is None:
-            vocab = None
-            tops = self._span_tops(hidden, spans)
-        else:
-            vocab = self.trie.vocab[depth]
-            allowed = self.trie.allowed(depth, [n for g in self.groups for n in g.nodes])
-            tops = self._span_tops(hidden, spans, vocab, allowed, forced)
+            expansions = expansions if expansions is not None else self._expand()
+            tops = self._table_tops(hidden, expansions, forced)
         for i, g in enumerate(self.groups):
-            span = 0 if len(spans) == 1 else i
-            first = starts[i] - spans[span][0]
-            top_scores, top_columns = (t[first:first + rows[i]] for t in tops[span])
+            top_scores, top_columns = tops[i]
             width = widths[i]
             # The best `width` continuations of a group are among each beam's own best `width`
             # tokens: rank those (rows x width), never the whole rows x vocabulary.
             each = top_scores.shape[1]
             candidates = (g.scores[:, None] + top_scores).flatten()
             scores, flat = candidates.topk(min(width, candidates.numel()))
-            if vocab is not None:  # a table may offer fewer paths than beams: drop the impossible ones
+            if g.trie is not None:  # a table may offer fewer paths than beams: drop the impossible ones
                 finite = scores > float("-inf")
                 scores, flat = scores[finite], flat[finite]
             beams = (flat // each).tolist()
             columns = top_columns.flatten()[flat]
-            tokens = (columns if vocab is None else vocab[columns]).tolist()
+            if g.trie is None:
+                tokens = columns.tolist()
+            else:
+                tokens = g.trie.vocab[g.round][columns].tolist()
+                g.nodes = expansions[i].child[beams, columns.cpu().numpy()]
             g.tokens = [g.tokens[b] + [t] for b, t in zip(beams, tokens)]
-            if vocab is not None:
-                g.nodes = [self.trie.step(g.nodes[b], t) for b, t in zip(beams, tokens)]
             g.scores, g.parents = scores, beams
             g.round += 1
 
-    def _span_tops(self, hidden: torch.Tensor | None, spans: list[tuple[int, int, int]],
-                   vocab: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                   forced: list[bool] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _table_tops(self, hidden: torch.Tensor | None, expansions: list,
+                    forced: list[bool] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """With item tables: each group's rows' best beam_width log-probabilities over the tokens
+        its table allows (normalised over those), and their columns in the depth's vocabulary.
+
+        The LM head runs over the depth's tokens only, once for the groups that share a table
+        (a reload may leave groups of two tables in one batch). A forced row (not fed) gets
+        logits of 0: its mask leaves it its one token, at log-probability 0."""
+        depth = self.groups[0].round
+        bounds = self._row_starts()
+        fed_rows = [bounds[i + 1] - bounds[i] - (0 if forced is None else sum(forced[bounds[i]:bounds[i + 1]]))
+                    for i in range(len(self.groups))]
+        out: list = [None] * len(self.groups)
+        first_fed = 0
+        i = 0
+        while i < len(self.groups):
+            trie = self.groups[i].trie
+            end = i
+            while end < len(self.groups) and self.groups[end].trie is trie:
+                end += 1
+            fed = sum(fed_rows[i:end])
+            mask = torch.cat([e.mask for e in expansions[i:end]]) if end - i > 1 else expansions[i].mask
+            logits = None if fed == 0 else self.runner.logits(hidden[first_fed:first_fed + fed], trie.vocab[depth],
+                                                               as_float=False)
+            first_fed += fed
+            if forced is not None:
+                full = torch.zeros(mask.shape, dtype=torch.float32 if logits is None else logits.dtype,
+                                   device=mask.device)
+                if logits is not None:
+                    unforced = ~torch.tensor(forced[bounds[i]:bounds[end]], device=mask.device)
+                    full[unforced] = logits
+                logits = full
+            logits.masked_fill_(~mask, float("-inf"))
+            lse = torch.logsumexp(logits.float(), dim=-1)
+            row = 0
+            for g in range(i, end):
+                count = len(self.groups[g].tokens)
+                k = min(self.groups[g].request.beam_width, logits.shape[1])
+                top, columns = logits[row:row + count].topk(k, dim=-1)
+                out[g] = (top.float() - lse[row:row + count, None], columns)
+                row += count
+            i = end
+        return out
+
+    def _span_tops(self, hidden: torch.Tensor, spans: list[tuple[int, int, int]]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For each span (first row, end row, k): its rows' k best log-probabilities (float32,
         best first) and their columns.
 
@@ -222,27 +291,11 @@ class BeamSearchBatch:
         time (and their float32 copy), not 78 MB and as much again for a log_softmax, and the LM
         head's weight is still read once. The blocks' bounds do not depend on the batch, so
         neither do a beam's scores (bfloat16 ties and roundings included)."""
-        if vocab is not None:  # an item table: only that depth's tokens, a few hundred columns
-            if forced is None:
-                logits = self.runner.logits(hidden, vocab, as_float=False)
-            else:  # a forced row's logits: any finite value; the mask leaves it its one token at 0
-                fed = None if hidden is None else self.runner.logits(hidden, vocab, as_float=False)
-                logits = torch.zeros(allowed.shape, dtype=torch.float32 if fed is None else fed.dtype,
-                                     device=allowed.device)
-                if fed is not None:
-                    logits[~torch.tensor(forced, device=allowed.device)] = fed
-            logits.masked_fill_(~allowed, float("-inf"))
-            lse = torch.logsumexp(logits.float(), dim=-1)
-            out = []
-            for first, end, k in spans:
-                top, columns = logits[first:end].topk(min(k, logits.shape[1]), dim=-1)
-                out.append((top.float() - lse[first:end, None], columns))
-            return out
         vocab_size = self.runner.vocab_size
         block = max(LOGITS_BLOCK_COLUMNS, max(k for _, _, k in spans))
         tops: list[list] = [[] for _ in spans]
         sums = []
-        fused = cpu_kernels.topk_logsumexp()
+        fused = self.runner.topk_logsumexp()
         for start in range(0, vocab_size, block):
             end = min(vocab_size, start + block)
             logits = self.runner.logits(hidden, as_float=False, columns=(start, end))
@@ -282,8 +335,9 @@ class BeamSearchBatch:
 
     def _result(self, g: _Group) -> Delta:
         decode = self.runner.tokenizer.decode
-        beams = [BeamResult(tokens, decode(tokens, skip_special_tokens=True), float(score))
-                 for tokens, score in zip(g.tokens, g.scores.tolist())]
+        leaves = g.nodes.tolist() if g.trie is not None else [None] * len(g.tokens)
+        beams = [BeamResult(tokens, decode(tokens, skip_special_tokens=True), float(score), leaf)
+                 for tokens, score, leaf in zip(g.tokens, g.scores.tolist(), leaves)]
         beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
         g.request.finish_reason = "length"
         return Delta(g.request.index, "", None, None, "length", beams=beams)

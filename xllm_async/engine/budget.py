@@ -14,16 +14,23 @@ class BatchBudget:
     tokens); on the transformers engine prompts are left-padded, so it costs
     rows x the longest prompt. A beam request counts as beam_width sequences.
     The cache (kv_tokens per slot, 0 = unbounded) holds a rectangle: cache rows x
-    the most tokens any row will reach (request.cache_tokens).
+    the most tokens any row will reach (request.cache_tokens), and beside it the
+    beams' own caches: every beam x the most rounds after the first
+    (request.own_rows x request.own_tokens), as our runner lays them out. The
+    transformers engine copies a beam's prompt into every beam: there a beam
+    request is beam_width rows of its prompt and rounds.
     """
 
-    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens")
+    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens", "shared_beam_prompts")
 
-    def __init__(self, max_seqs: int, max_tokens: int, packed: bool = False, kv_tokens: int = 0) -> None:
+    def __init__(self, max_seqs: int, max_tokens: int, packed: bool = False, kv_tokens: int = 0,
+                 shared_beam_prompts: bool | None = None) -> None:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.packed = packed
         self.kv_tokens = kv_tokens
+        # Runner.shares_beam_prompts (by default, as our packed engine does).
+        self.shared_beam_prompts = packed if shared_beam_prompts is None else shared_beam_prompts
 
     def take(self, waiting: deque, seqs_in_use: int = 0, limit: int = 0,
              cache_in_use: tuple[int, int] = (0, 0)) -> list:
@@ -42,6 +49,7 @@ class BatchBudget:
         longest = tokens = 0
         seqs = seqs_in_use
         rows, row_tokens = cache_in_use
+        own_rows = own_tokens = 0
         while waiting and not (limit and len(batch) >= limit):
             req = waiting[0]
             if req.aborted:
@@ -52,16 +60,35 @@ class BatchBudget:
             longest_if_taken = max(longest, len(req.prompt_ids))
             seqs_if_taken = seqs + req.num_seqs
             tokens_if_taken = tokens + req.prefill_tokens
-            need = req.cache_tokens
-            row_tokens_if_taken = max(row_tokens, need)
+            req_rows, req_tokens, req_own_rows, req_own_tokens = self._cache_shape(req)
+            row_tokens_if_taken = max(row_tokens, req_tokens)
+            own_rows_if_taken, own_tokens_if_taken = own_rows + req_own_rows, max(own_tokens, req_own_tokens)
             over = (self._over(seqs_if_taken, tokens_if_taken, longest_if_taken)
-                    or (self.kv_tokens and row_tokens_if_taken and (rows + 1) * row_tokens_if_taken > self.kv_tokens))
+                    or self._over_cache((rows + req_rows) * row_tokens_if_taken
+                                        + own_rows_if_taken * own_tokens_if_taken))
             if over and (batch or seqs_in_use):
                 break
             batch.append(waiting.popleft())
             longest, seqs, tokens = longest_if_taken, seqs_if_taken, tokens_if_taken
-            rows, row_tokens = rows + 1, row_tokens_if_taken
+            rows, row_tokens = rows + req_rows, row_tokens_if_taken
+            own_rows, own_tokens = own_rows_if_taken, own_tokens_if_taken
         return batch
+
+    def cache_alone(self, request) -> int:
+        """The cache tokens a request needs in a batch of its own."""
+        rows, tokens, own_rows, own_tokens = self._cache_shape(request)
+        return rows * tokens + own_rows * own_tokens
+
+    def _cache_shape(self, request) -> tuple[int, int, int, int]:
+        """(rectangle rows, tokens a row, own rows, own tokens) a request adds to a slot's cache."""
+        if self.shared_beam_prompts or not request.own_rows:
+            return 1, request.cache_tokens, request.own_rows, request.own_tokens
+        return request.own_rows, request.cache_tokens + request.own_tokens, 0, 0
+
+    def never_fits(self, request) -> bool:
+        """Whether a request's cache exceeds a slot's even alone: it must be refused, not queued
+        (take() would start it alone, and the runner could not hold it)."""
+        return self._over_cache(self.cache_alone(request))
 
     def filled_by(self, waiting: deque) -> bool:
         """Whether the waiting requests fill a batch already: more arrivals could not join it."""
@@ -73,6 +100,9 @@ class BatchBudget:
             if self._over(seqs, tokens, longest):
                 return True
         return False
+
+    def _over_cache(self, tokens: int) -> bool:
+        return bool(self.kv_tokens) and tokens > self.kv_tokens
 
     def _over(self, seqs: int, tokens: int, longest: int) -> bool:
         """Whether a batch of this many sequences and prompt tokens is over the budgets."""

@@ -11,6 +11,7 @@ from .budget import BatchBudget
 from .continuous import ContinuousScheduler
 from .fixed_steps import FixedStepsBatcher
 from .request import Delta, QueuedRequest
+from .runner import Runner
 
 log = logging.getLogger("xllm_async.engine")
 
@@ -23,10 +24,13 @@ class TooManySequences(ValueError):
     """One request holds more sequences than the queue ever admits: retrying cannot help."""
 
 
+class CacheTooSmall(ValueError):
+    """One request needs more key/value cache than a slot has, even alone: retrying cannot help."""
+
+
 class Engine:
-    def __init__(self, runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
-                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0,
-                 trie=None) -> None:
+    def __init__(self, runner: Runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
+                 max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
         self.runner = runner
         self.slots = slots
         self.max_queued_requests = max_queued_requests
@@ -34,13 +38,14 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.unfinished: set[QueuedRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
-        budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed, runner.kv_tokens)
+        self.budget = budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed,
+                                           runner.kv_tokens, runner.shares_beam_prompts)
         if scheduler == "continuous":
             # One batch in flight: the continuous baseline uses the first slot only.
             self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)
         else:
             self.scheduler = FixedStepsBatcher(runner, slots, budget, self._deliver_threadsafe, self._loop,
-                                               self.metrics, trie)
+                                               self.metrics)
         self.metrics.add(Gauge("num_requests_waiting", "Sequences waiting for a batch.",
                                lambda: self.scheduler.num_waiting))
         self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",
@@ -58,8 +63,14 @@ class Engine:
         if len(requests) > self.max_queued_requests:
             raise TooManySequences(f"the request holds {len(requests)} sequences and at most "
                                    f"{self.max_queued_requests} may wait at once (XLLM_MAX_QUEUED_REQUESTS)")
+        for req in requests:
+            if self.budget.never_fits(req):
+                raise CacheTooSmall(f"it needs {self.budget.cache_alone(req)} tokens of key/value cache and an "
+                                    f"execution slot holds {self.budget.kv_tokens} (XLLM_KV_CACHE_BYTES)")
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
+        for req in requests:  # (raises here, for this caller alone, not inside a batch it would share)
+            req.prepare(self.runner)
         self.unfinished.update(requests)
         self.scheduler.add(requests)
         if self.queue_timeout:

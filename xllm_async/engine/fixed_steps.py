@@ -64,9 +64,8 @@ class FixedStepsBatcher:
     """
 
     def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
-                 loop: asyncio.AbstractEventLoop, metrics=None, trie=None) -> None:
+                 loop: asyncio.AbstractEventLoop, metrics=None) -> None:
         self.runner = runner
-        self.trie = trie  # the item table's trie: beam searches keep to its items
         self.budget = budget
         self.metrics = metrics
         self.waiting: deque[QueuedRequest] = deque()
@@ -468,7 +467,7 @@ class FixedStepsBatcher:
         prefill_seconds = 0.0
         try:
             if isinstance(requests[0], BeamRequest):
-                batch = BeamSearchBatch(self.runner, requests, self.metrics, self.trie)
+                batch = BeamSearchBatch(self.runner, requests, self.metrics)
             else:
                 batch = GenerationBatch(self.runner, requests, self.metrics)
                 if slot.index in self._joining:

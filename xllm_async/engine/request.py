@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from .detokenizer import IncrementalDetokenizer
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import SamplingParams, TokenLogprobs, make_generator
 
 
 class Delta:
@@ -35,6 +35,7 @@ class QueuedRequest:
     __slots__ = ("index", "prompt_ids", "sink", "finish_reason", "aborted", "done", "arrival", "started")
 
     num_seqs = 1  # rows it holds in a batch
+    own_rows = own_tokens = 0  # the cache its beams hold apart from its row (BeamRequest)
 
     def __init__(self, index: int, prompt_ids: list[int], sink) -> None:
         self.index = index  # the choice index inside its response
@@ -49,6 +50,10 @@ class QueuedRequest:
     def fail(self, message: str) -> Delta:
         self.finish_reason = "error"
         return Delta(self.index, "", None, None, "error", message)
+
+    def prepare(self, runner) -> None:
+        """Build what stepping it needs from its own fields, before it joins a batch
+        (Engine.submit): whatever they make fail fails this request alone, never a batch."""
 
 
 class EngineRequest(QueuedRequest):
@@ -85,6 +90,11 @@ class EngineRequest(QueuedRequest):
         """Tokens its cache row may reach (0: a single token needs no cache). The API
         keeps prompt + max_tokens within the model's length."""
         return len(self.prompt_ids) + self.params.max_tokens if self.params.max_tokens > 1 else 0
+
+    def prepare(self, runner) -> None:
+        """Its detokenizer and its own random generator (seeded from its `seed`)."""
+        self.bind(runner.tokenizer, runner.eos_token_ids, runner.max_model_len)
+        self.generator = make_generator(self.params, runner.device, self.index)
 
     def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         """Attach what stepping needs from the model (once, before the first step)."""

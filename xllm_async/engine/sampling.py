@@ -5,6 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Seeds a request may send: every signed and every unsigned 64-bit integer (vLLM's range is the
+# signed one; torch seeds with either). A choice's seed is the request's plus its index, taken
+# modulo SEED_SPACE, so that no seed overflows the generator.
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
+SEED_SPACE = 2**64
+
 
 class SamplingParams:
     """How one sequence is generated; validated by the API before it gets here."""
@@ -46,49 +52,17 @@ class TokenLogprobs:
         self.top = top
 
 
-class PromptScores:
-    """What the model made of a prompt: for each token after the first, its log-probability
-    given the tokens before it, its rank there (1 = the likeliest) and the top alternatives."""
-
-    __slots__ = ("logprobs", "ranks", "top")
-
-    def __init__(self) -> None:
-        self.logprobs: list[float] = []
-        self.ranks: list[int] = []
-        self.top: list[list[tuple[int, float]]] = []
-
-
-SCORE_ROWS = 64  # positions scored at once: 64 x a 151,669-token vocabulary is 39 MB of float32 logits
-
-
-def score_prompt(head, hidden: torch.Tensor, targets: list[int], top: int) -> PromptScores:
-    """hidden [len(targets), hidden]: the final states of positions 0..n-2, which predict the
-    prompt's tokens 1..n-1 (targets); head(rows) gives their float32 logits over the vocabulary."""
-    scores = PromptScores()
-    wanted = torch.tensor(targets, device=hidden.device)
-    for start in range(0, len(targets), SCORE_ROWS):
-        logprobs = torch.log_softmax(head(hidden[start:start + SCORE_ROWS]), dim=-1)
-        chosen = logprobs.gather(1, wanted[start:start + SCORE_ROWS, None])
-        scores.logprobs += chosen[:, 0].tolist()
-        scores.ranks += ((logprobs > chosen).sum(-1) + 1).tolist()
-        if top:
-            values, ids = logprobs.topk(top, dim=-1)
-            scores.top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        else:
-            scores.top += [[] for _ in range(chosen.shape[0])]
-    return scores
-
-
 def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:
     """A per-request generator so that a seeded request samples the same tokens in any batch.
-    offset (the choice index) keeps the n choices of one seeded request apart."""
+    offset (the choice index) keeps the n choices of one seeded request apart; a negative seed
+    wraps as torch wraps it (-1 and 2^64 - 1 are one seed)."""
     if params.greedy:
         return None
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed + offset)
+        gen.manual_seed((params.seed + offset) % SEED_SPACE)
     return gen
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +118,9 @@ class _FlashVarlen:
     float16): a packed prefill's attention in one call, whatever its sequences' lengths, where
     torch's SDPA took a call per run of equal lengths. Its arguments moved between torch releases
     (is_causal became window_size, enable_gqa came later): read off its signature. Off for good,
-    with one warning, if a call fails: the SDPA calls serve as before."""
+    with one warning, where a call says it cannot run here (unsupported()): the SDPA calls serve
+    as before. Any other failure (out of memory, a device fault) fails that forward's batch only,
+    as any forward's error does, and the next batch tries it again."""
 
     def __init__(self) -> None:
         try:
@@ -149,10 +152,29 @@ class _FlashVarlen:
             return None  # (its own scale is 1/sqrt(dim), the Llama family's)
         try:
             return self.fn(q, k, v, cu_lengths, cu_lengths, longest, longest, **extra)
-        except Exception as exc:  # noqa: BLE001  (an older or partial build: fall back for good)
+        except Exception as exc:
+            if not unsupported(exc):
+                raise
             logging.getLogger("xllm_async.model").warning("varlen flash attention unusable, SDPA instead: %s", exc)
             self.fn = None
             return None
+
+
+# What torch says when a kernel cannot run on this build, device or shape at all ("GQA is not
+# supported with the cuDNN backend", "FlashAttention only supports Ampere GPUs or newer", "no
+# kernel image is available"): the same on every later call.
+_UNSUPPORTED = re.compile(r"not (yet )?supported|does not support|only supports?|not implemented|unsupported"
+                          r"|no kernel image", re.IGNORECASE)
+
+
+def unsupported(exc: BaseException) -> bool:
+    """Whether a kernel's failure means it cannot serve this process (a signature that moved, a
+    backend that refuses the device or the shape), not that this call failed (memory, a fault)."""
+    if isinstance(exc, torch.OutOfMemoryError):  # (a RuntimeError, whatever its message says)
+        return False
+    if isinstance(exc, (TypeError, ValueError, NotImplementedError)):  # arguments it does not take
+        return True
+    return isinstance(exc, RuntimeError) and _UNSUPPORTED.search(str(exc)) is not None
 
 
 _VARLEN = _FlashVarlen()

@@ -61,8 +61,11 @@ _decode = None  # torch.ops.xllm.decode_attention, likewise
 _linear_isa: str | None = None
 _float32_linear = False  # whether torch.ops.xllm.linear takes float32 here (and computed right)
 _float32_fused = False  # whether the elementwise kernels take float32 here (their vector paths)
+_failure: str | None = None  # why the library did not load, where it did not
 # The instruction sets our library is built for (torch.ops.xllm.linear_isa), as start-up names them.
 ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
+# Each as /proc/cpuinfo's flags name what it needs (AMX: its tiles and their bfloat16 products).
+_ISA_FLAGS = {"amx": ("amx_tile", "amx_bf16"), "avx512_bf16": ("avx512_bf16",)}
 
 
 def _cpu_flags() -> str:
@@ -74,6 +77,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def instruction_sets() -> list[str]:
+    """The instruction sets our kernels are written for that this CPU has, best first: "amx",
+    "avx512_bf16". Where it has either, -march=native builds every kernel."""
+    flags = set(_cpu_flags().split())
+    return [isa for isa, needs in _ISA_FLAGS.items() if all(flag in flags for flag in needs)]
 
 
 def library_path() -> str:
@@ -186,7 +196,7 @@ def _working_float32_fused() -> bool:
 
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _varlen, _prefix, _topk, _decode, _linear_isa, _float32_linear, _float32_fused
+    global _loaded, _failure, _varlen, _prefix, _topk, _decode, _linear_isa, _float32_linear, _float32_fused
     with _lock:
         if _loaded is None:
             try:
@@ -200,8 +210,23 @@ def available() -> bool:
                 _float32_fused = _working_float32_fused()
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
-                _loaded = False
+                _loaded, _failure = False, f"{type(exc).__name__}: {exc}"
         return _loaded
+
+
+def verified() -> dict[str, bool]:
+    """Each of our kernels by name, and whether it loaded here and passed its start-up check
+    (the tests fail, not skip, a False on a CPU with instruction_sets())."""
+    loaded = available()
+    return {"elementwise": loaded, "float32 elementwise": loaded and _float32_fused,
+            "packed attention": loaded and _varlen is not None and _prefix is not None,
+            "beam top-k": loaded and _topk is not None, "decode attention": loaded and _decode is not None,
+            "linear": loaded and _linear_isa is not None, "float32 linear": loaded and _float32_linear}
+
+
+def load_failure() -> str | None:
+    """Why the library did not load (the compiler's complaint), where it did not."""
+    return _failure
 
 
 def our_linear() -> str | None:

@@ -44,16 +44,20 @@ class KvArena:
         self.device = device
         self._buffer: torch.Tensor | None = None
 
-    def view(self, row_capacity: int, capacity: int) -> torch.Tensor:
-        """[layers, 2, row_capacity, kv_heads, capacity, head_dim] over the arena's start."""
-        if row_capacity * capacity > self.tokens:
-            raise MemoryError(f"a cache of {row_capacity} x {capacity} tokens exceeds the slot's {self.tokens}")
+    def view(self, row_capacity: int, capacity: int, start: int = 0) -> torch.Tensor:
+        """[layers, 2, row_capacity, kv_heads, capacity, head_dim] over the arena from token `start`
+        (a beam batch's own tokens lie after its prompts': model_runner.BeamState)."""
+        if start + row_capacity * capacity > self.tokens:
+            raise MemoryError(f"a cache of {row_capacity} x {capacity} tokens from token {start} exceeds "
+                              f"the slot's {self.tokens}")
         if self._buffer is None:
             lay = self.layout
             self._buffer = torch.empty(self.tokens * lay.token_elements, dtype=lay.dtype, device=self.device)
         lay = self.layout
+        first = start * lay.token_elements
         size = row_capacity * capacity * lay.token_elements
-        return self._buffer[:size].view(lay.layers, 2, row_capacity, lay.kv_heads, capacity, lay.head_dim)
+        return self._buffer[first:first + size].view(lay.layers, 2, row_capacity, lay.kv_heads, capacity,
+                                                     lay.head_dim)
 
 
 class SlabCache:

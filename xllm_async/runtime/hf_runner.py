@@ -17,9 +17,10 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..engine.sampling import score_prompt
+from ..model.scoring import score_prompt
+from .checkpoint import eos_ids, resolve_dtype
+from .device import default_kv_cache_bytes
 from .host_memory import pack_weights
-from .model_runner import eos_ids, resolve_dtype
 
 log = logging.getLogger("xllm_async.model")
 
@@ -57,6 +58,16 @@ class KvCache:
             mine.values = torch.cat([_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)])
 
 
+def _token_bytes(config, dtype: torch.dtype) -> int:
+    """One token's keys and values over every layer, as the config describes the attention (a
+    model whose cache is smaller than that, as with sliding windows, is counted at the most)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     missing = width - t.shape[dim]
     if missing == 0:
@@ -71,7 +82,8 @@ class TransformersRunner:
 
     engine = "transformers"
     packed = False  # left-padded: a batch costs rows x its longest prompt
-    kv_tokens = 0  # caches grow as needed (no arena)
+    shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
+    kv_tokens = 0  # until set_kv_cache: no budget
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
         started = time.monotonic()
@@ -93,12 +105,30 @@ class TransformersRunner:
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.eos_token_ids = eos_ids(self.tokenizer, getattr(model, "generation_config", None), model.config)
         self.pad_id = 0
+        self.kv_tokens = 0  # set_kv_cache: what admission lets a slot's caches hold
+        self.token_bytes = _token_bytes(config, self.dtype)
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s, %s, vocab %d, context %d",
                  self.load_seconds, config.model_type, self.dtype, self.vocab_size, self.max_model_len)
 
+    def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
+        """Nothing to compile ahead: transformers runs torch's own operators."""
+
+    def capture_graphs(self, max_rows: int, capture=None) -> None:
+        """No graphs: transformers' forward runs eagerly."""
+        return None
+
+    def topk_logsumexp(self) -> None:
+        return None
+
     def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
-        """transformers' caches grow by concatenation; there is no arena to size."""
+        """transformers' caches grow by concatenation, with no arena: the budget is what admission
+        counts (XLLM_KV_CACHE_BYTES, or the device's default, shared by the slots), so that no
+        request makes them grow past it."""
+        total = total_bytes or default_kv_cache_bytes(self.device)
+        self.kv_tokens = total // slots // self.token_bytes
+        log.info("key/value cache budget: %d slot(s) x %d tokens (%d bytes a token, from the config)", slots,
+                 self.kv_tokens, self.token_bytes)
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0,
                 into: KvCache | None = None) -> tuple[torch.Tensor, KvCache | None]:

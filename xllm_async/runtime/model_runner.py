@@ -20,41 +20,19 @@ import time
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..engine.sampling import score_prompt  # (a leaf module: tensors in, numbers out)
 from ..model import cpu_kernels, gpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
 from ..model.layers import WARM_FROM, linear_packing, pack_linears, warm_onednn
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
-from .device import default_kv_cache_bytes, fast_cpu_dtype, graph_capture
+from ..model.scoring import score_prompt
+from .checkpoint import eos_ids, resolve_dtype
+from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
 from .host_memory import one_intra_op_thread, pack_weights
 
 log = logging.getLogger("xllm_async.model")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """auto: on CPU the fastest the CPU has (device.fast_cpu_dtype), elsewhere the checkpoint's own."""
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return fast_cpu_dtype()
-    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return DTYPES.get(str(own).removeprefix("torch."), torch.float32)
-
-
-def eos_ids(tokenizer, *sources) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
 
 def linear_name(packing: str, dtype: torch.dtype) -> str:
     """What start-up logs for the packed linear layers."""
@@ -71,6 +49,7 @@ class ModelRunner:
 
     engine = "native"
     packed = True  # prompts cost their own tokens, not the longest one's
+    shares_beam_prompts = True  # a beam search keeps its prompt's cache once (BeamState)
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
         started = time.monotonic()
@@ -213,14 +192,20 @@ class ModelRunner:
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int):
         """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
-        widths: the most beams each request will have; rounds: the most rounds any request runs."""
+        widths: the most beams each request will have; rounds: the most rounds any request runs.
+
+        Both caches come out of this slot's arena, as admission counted them (BeamRequest):
+        the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
         lengths = [len(p) for p in prompts]
-        cache = None
+        cache = own = None
         if rounds > 1:
-            cache = SlabCache(self._arena(), len(prompts), max(lengths))
+            arena = self._arena()
+            cache = SlabCache(arena, len(prompts), max(lengths))
             cache.add_rows(lengths, max(lengths))
+            # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
+            own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
         hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache))
-        return hidden, BeamState(cache, lengths, sum(widths), rounds, self.kv_layout, self.device)
+        return hidden, BeamState(cache, lengths, own)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
         """One round: every live beam's last token in; final hidden states [beams, hidden] out.
@@ -236,11 +221,18 @@ class ModelRunner:
         """The LM head over the whole vocabulary, only these token ids, or the columns [start, end)."""
         return self.model.logits(hidden, tokens, as_float, columns)
 
+    def topk_logsumexp(self):
+        """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (engine/runner.py)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        return cpu_kernels.topk_logsumexp()
+
 
 class BeamState:
     """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
     row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
-    the tokens the beams generated. Reordering beams moves only `own`.
+    the tokens the beams generated, both in the slot's arena (None with a single
+    round, which needs no cache). Reordering beams moves only `own`.
 
     widths/starts: the rows each request had in the last round fed (one, its
     prompt, after the prefill).
@@ -248,14 +240,12 @@ class BeamState:
 
     __slots__ = ("prompts", "lengths", "widths", "starts", "own", "step")
 
-    def __init__(self, prompts: SlabCache | None, lengths: list[int], beams: int, rounds: int,
-                 layout: KvLayout, device: torch.device) -> None:
+    def __init__(self, prompts: SlabCache | None, lengths: list[int], own: torch.Tensor | None) -> None:
         self.prompts = prompts
         self.lengths = lengths
         self.widths = [1] * len(lengths)
         self.starts = list(range(len(lengths) + 1))
-        self.own = torch.empty(layout.layers, 2, beams, layout.kv_heads, max(rounds - 1, 1), layout.head_dim,
-                               dtype=layout.dtype, device=device)
+        self.own = own
         self.step = 0  # own tokens every beam has stored
 
     def follow(self, parents: list[int], widths: list[int]) -> None:

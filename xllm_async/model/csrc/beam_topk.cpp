@@ -16,7 +16,10 @@
 // the 1,024 maxima and a sort of the kept values spent 3.7 of the 4.8 cycles a value with their
 // mispredicted branches (AMD EPYC); now 1.5 in all, the same answers.
 //
-// Ties rank the lower column first, so a row's answer depends on its logits alone.
+// Ties rank the lower column first, so a row's answer depends on its logits alone. NaN ranks above
+// every number, as torch.topk has it (beam.py's fallback), and a row holding one has a NaN
+// log-sum-exp, as torch.logsumexp gives: a broken forward's scores show as NaN, never as
+// columns read from memory no one wrote.
 //
 // Built only where the compiler targets AVX512-BF16 (as the other kernels' vector paths); elsewhere
 // the operator is absent and beam.py keeps torch.topk and torch.logsumexp.
@@ -64,18 +67,21 @@ inline int64_t reaching(const float* maxima, int64_t count, float t) {
 }
 
 // A candidate as one integer in the order wanted, smallest first: the higher value, then the
-// lower column (-0 equal to 0, as float comparison has it). Distinct, since columns are.
+// lower column (-0 equal to 0, as float comparison has it; every NaN above +inf, whatever its sign
+// and payload). Distinct, since columns are.
 inline uint64_t rank_key(const Candidate& c) {
   uint32_t bits;
   std::memcpy(&bits, &c.value, sizeof bits);
   if (bits == 0x80000000u) bits = 0;
-  const uint32_t ascending = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t ascending = nan ? ~uint32_t{0} : (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
   return (static_cast<uint64_t>(~ascending) << 32) | static_cast<uint32_t>(c.column);
 }
 
 // The value that at least k of the set maxima reach, as high as a few bisection steps find (not
 // the exact k-th largest: a little below it keeps a few more values, never fewer than needed).
-// With fewer sets than k (or fewer than k finite), every value is kept.
+// With fewer sets than k (or fewer than k finite), every value is kept. Never NaN: a NaN maximum
+// reaches no bound, and a NaN midpoint is never taken.
 float bound_of(const float* maxima, int64_t sets, int64_t k, float lowest_finite, float highest) {
   if (k > sets) return -kInf;
   if (reaching(maxima, sets, highest) >= k) return highest;
@@ -119,6 +125,19 @@ void rank_kept(Scratch& s, int64_t out, float* values, int64_t* columns) {
   }
 }
 
+// Slots [ranked, k) that no kept value filled: -inf and the lowest columns not already given, so
+// every slot holds a column of the row. The bound keeps at least k values (k set maxima reach it,
+// or it is -inf and keeps every one), so this is a guard, not a path a row takes.
+void fill_unranked(int64_t n, int64_t ranked, int64_t k, float* values, int64_t* columns) {
+  std::vector<bool> given(n, false);
+  for (int64_t i = 0; i < ranked; ++i) given[columns[i]] = true;
+  for (int64_t c = 0, i = ranked; i < k && c < n; ++c) {
+    if (given[c]) continue;
+    values[i] = -kInf;
+    columns[i++] = c;
+  }
+}
+
 // One row of n logits: its k best (value, column) into values/columns, best first, and its
 // log-sum-exp.
 void row_topk(const bf16* x, int64_t n, int64_t k, float* values, int64_t* columns, float* lse, Scratch& s) {
@@ -151,7 +170,8 @@ void row_topk(const bf16* x, int64_t n, int64_t k, float* values, int64_t* colum
     const __mmask16 live = simd::lanes(n - g * 16);
     __m512 v = simd::load_bf16(x + g * 16, live);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, simd::exp(_mm512_sub_ps(v, shift))));
-    const __mmask16 high = _mm512_mask_cmp_ps_mask(live, v, bound, _CMP_GE_OQ);
+    // At or above the bound, or NaN (not-less-than, unordered: true for NaN; the bound is never NaN).
+    const __mmask16 high = _mm512_mask_cmp_ps_mask(live, v, bound, _CMP_NLT_UQ);
     if (high) {
       const int count = __builtin_popcount(high);
       _mm512_mask_compressstoreu_ps(found, high, v);
@@ -159,8 +179,12 @@ void row_topk(const bf16* x, int64_t n, int64_t k, float* values, int64_t* colum
       for (int i = 0; i < count; ++i) s.kept.push_back({found[i], where[i]});
     }
   }
-  *lse = row_max + std::log(_mm512_reduce_add_ps(total));
-  rank_kept(s, std::min<int64_t>(k, static_cast<int64_t>(s.kept.size())), values, columns);
+  const int64_t ranked = std::min<int64_t>(k, static_cast<int64_t>(s.kept.size()));
+  rank_kept(s, ranked, values, columns);
+  // (exp clamps its argument from below with a max that drops NaN: a NaN is found in the ranking.)
+  const bool has_nan = ranked > 0 && std::isnan(values[0]);
+  *lse = has_nan ? std::numeric_limits<float>::quiet_NaN() : row_max + std::log(_mm512_reduce_add_ps(total));
+  if (ranked < k) fill_unranked(n, ranked, k, values, columns);
 }
 
 // logits [rows, n] bfloat16 (contiguous columns, any row stride), k <= n ->

@@ -265,14 +265,17 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::
   const int64_t col_blocks = packed.size(0);
   TORCH_CHECK(packed.is_contiguous() && packed.size(1) == k * kCols && col_blocks * kCols >= n,
               "linear: weight packed for another shape");
-  auto out = at::empty({m, n}, x.options());
-  if (m == 0) return out;
   at::Tensor bias_f;
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
+    // The loops read n floats from it: a shorter one would be read past its end.
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear: the bias must be 1-d with n = ", n,
+                " values, not of shape ", bias->sizes());
     bias_f = bias->to(at::kFloat).contiguous();
     b = bias_f.data_ptr<float>();
   }
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
   if (f32) {
     blocked_linear(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), m, k, n, col_blocks,
                    Float32Product{k, n, b});

@@ -1,0 +1,64 @@
+"""The contract between the engine and whatever runs the model (runtime/): what
+the engine calls and what a runner declares. runtime.model_runner.ModelRunner
+(our own model code) and runtime.hf_runner.TransformersRunner (transformers, for
+other architectures) both implement it; the engine knows no other runner type.
+
+Caches are opaque to the engine: it gets one from prefill() or beam_prefill()
+and hands it back to decode() or beam_decode(); it reads only what this
+contract names.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Runner(Protocol):
+    engine: str  # "native" or "transformers", as start-up logs it
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    load_seconds: float
+    packed: bool  # True: a batch's prompts cost their own tokens; False: rows x the longest (left padding)
+    # Beams of one request share its prompt's cache (ours) or copy it into every beam (transformers):
+    # admission counts a beam search's cache by this (engine/budget.py).
+    shares_beam_prompts: bool
+    kv_tokens: int  # tokens of cache an execution slot may hold (0: no budget set yet)
+
+    def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
+        """Size the slots' key/value budget: total_bytes (None: the device's default) shared by the slots."""
+
+    def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
+        """At start-up on CPU: compile what traffic would otherwise meet first (a no-op where nothing is)."""
+
+    def capture_graphs(self, max_rows: int, capture=None):
+        """On a slot's thread at start-up: capture the forward as graphs for that thread, or None
+        where the runner has none."""
+
+    def prefill(self, prompts: list[list[int]], capacity: int = 0, into=None) -> tuple[torch.Tensor, object]:
+        """Run the prompts; last-position logits [rows, vocab] and, with capacity or into, their cache."""
+
+    def prefill_scored(self, prompts: list[list[int]], capacity: int, into, scored: list[int | None]):
+        """prefill(), and each prompt's PromptScores (model/scoring.py) where scored[i] is set."""
+
+    def decode(self, kv, tokens: list[int]) -> torch.Tensor:
+        """One token per row of the cache; the next logits [rows, vocab]."""
+
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int) -> tuple[torch.Tensor, object]:
+        """Each prompt once; (hidden states [prompts, ...], the beams' state) for logits() and beam_decode()."""
+
+    def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
+        """One token per live beam, each continuing the row `parents[i]` of the last round."""
+
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
+               columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """The LM head over the whole vocabulary, only these token ids, or the columns [start, end)."""
+
+    def topk_logsumexp(self):
+        """A fused top-k and log-sum-exp over a block of logits in the model's dtype (our CPU kernel,
+        csrc/beam_topk.cpp), or None: beam rounds then take torch.topk and torch.logsumexp."""

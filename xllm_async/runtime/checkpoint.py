@@ -1,0 +1,30 @@
+"""What a model folder says that both runners read the same way: the dtype to
+run in and the ids that end a generation."""
+
+from __future__ import annotations
+
+import torch
+
+from .device import fast_cpu_dtype
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """auto: on CPU the fastest the CPU has (device.fast_cpu_dtype), elsewhere the checkpoint's own."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return fast_cpu_dtype()
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return DTYPES.get(str(own).removeprefix("torch."), torch.float32)
+
+
+def eos_ids(tokenizer, *sources) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
