@@ -485,6 +485,11 @@ def test_any_connection_gets_well_formed_answers_and_a_close(fuzzed, canary):
     @example(connection=([b"HEAD"], [b"HEAD /health HTTP/1.1\r\n\r\n"]))  # a refused HEAD had content (see conformance)
     # ...and then the refusal of what followed a HEAD had none (llhttp still named the HEAD's method)
     @example(connection=([b"HEAD"], [b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n{\"prompt\": [1]}"]))
+    # A GET then a HEAD whose head is malformed (a bare LF, then a CR): found by the long run.
+    @example(connection=([b"GET", b"HEAD"], [b"GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\n"
+                                             b'{"prompt":[1,2,3],"max_tokens":2,"temperature":0}'
+                                             b"HEAD /health HTTP/1.1\n\r\ncontent-length: 49\r\n\r\n"
+                                             b'{"prompt":[1,2,3],"max_tokens":2,"temperature":0}']))
     def run(connection):
         sent.append(1)
         methods, writes = connection
