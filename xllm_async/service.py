@@ -49,8 +49,7 @@ class Service:
         self._trim = None
         self._trim_handle: asyncio.TimerHandle | None = None
         self._trim_schedule = TrimSchedule(TRIM_INTERVAL)
-        self._reloading = False
-        self._reload_task: asyncio.Task | None = None
+        self._reload_task: asyncio.Task | None = None  # the item table reload in progress, if any
         # The rounds a beam request runs when it sends no max_tokens must be within the limit.
         if settings.beam_max_tokens > settings.max_beam_rounds:
             raise ConfigError(f"invalid XLLM_MAX_BEAM_ROUNDS={settings.max_beam_rounds}: expected at least "
@@ -144,7 +143,11 @@ class Service:
         return table
 
     def reload_items_soon(self) -> None:
-        """A signal handler's call: start a reload and keep its task (the loop holds tasks weakly)."""
+        """A signal handler's call: start a reload and keep its task (the loop holds tasks weakly);
+        one at a time."""
+        if self._reload_task is not None and not self._reload_task.done():
+            log.warning("SIGHUP: an item table reload is already running; this one is ignored")
+            return
         self._reload_task = asyncio.get_running_loop().create_task(self.reload_items())
 
     async def reload_items(self) -> bool:
@@ -154,10 +157,6 @@ class Service:
         if not self.settings.item_table:
             log.warning("SIGHUP: no item table to reload (XLLM_ITEM_TABLE is not set)")
             return False
-        if self._reloading:
-            log.warning("SIGHUP: an item table reload is already running; this one is ignored")
-            return False
-        self._reloading = True
         try:
             table = await asyncio.to_thread(self._load_items)
         except Exception as exc:  # noqa: BLE001  (whatever went wrong, the old table keeps serving)
@@ -165,8 +164,6 @@ class Service:
             log.error("item table reload failed, the old table stays: %s",
                       exc if isinstance(exc, ItemTableError) else f"{type(exc).__name__}: {exc}")
             return False
-        finally:
-            self._reloading = False
         self.items = self.app.items = table
         self.beam.item_length = self.beam.default_rounds = table.item_length
         self.item_loads.inc(1, "ok")

@@ -22,6 +22,7 @@ from ..errors import ApiError
 from ..http.protocol import HttpRequest
 from ..http.response import TEXT, Responder
 from .access_log import AccessLog, AccessRecord
+from .fields import shown
 from .items import ItemFilter, ItemTable
 from .requests import GenerationSpec, ModelInfo, holds_long_text, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, Choice, CompletionShape, new_id
@@ -274,8 +275,8 @@ class OpenAIApp:
                 continue
             numbers, missing = items.find(ids)
             if missing:
-                shown = ", ".join(repr(m) for m in missing[:10]) + (" ..." if len(missing) > 10 else "")
-                raise ApiError(400, f"`{name}` names {len(missing)} item(s) not in the item table: {shown}",
+                listed = ", ".join(shown(m) for m in missing[:10]) + (" ..." if len(missing) > 10 else "")
+                raise ApiError(400, f"`{name}` names {len(missing)} item(s) not in the item table: {listed}",
                                param=name)
             found[name] = numbers
         narrowed = items.narrow(found.get("allowed_item_ids"), found.get("exclude_item_ids"))

@@ -39,19 +39,20 @@ class ItemTableError(Exception):
 class ItemTable:
     """Items (file order) -> their ids and their tuples (leaves of the trie), and ids -> items."""
 
-    def __init__(self, ids: np.ndarray, leaf_of: np.ndarray, leaf_items: np.ndarray, trie: ItemTrie,
-                 path: str = "", version: str = "", loaded_at: float = 0.0) -> None:
-        """ids: each item's id (fixed-width bytes); leaf_of: each item's leaf (its tuple's number
-        among the sorted distinct tuples); leaf_items: the items sorted by leaf, file order within."""
+    def __init__(self, ids: np.ndarray, id_index: tuple[np.ndarray, np.ndarray], leaf_of: np.ndarray,
+                 leaf_items: np.ndarray, trie: ItemTrie, path: str = "", version: str = "",
+                 loaded_at: float = 0.0) -> None:
+        """ids: each item's id (fixed-width bytes); id_index: their hashes sorted and the items in
+        that order (_id_index); leaf_of: each item's leaf (its tuple's number among the sorted
+        distinct tuples); leaf_items: the items sorted by leaf, file order within."""
         self.trie = trie
         self.path = path
         self.version = version  # the file's SHA-256, first 16 hex digits
         self.loaded_at = loaded_at
         self.count = len(ids)
         self._ids = ids
-        self._hash = _hashes(ids)
-        self._by_hash = np.argsort(self._hash, kind="stable").astype(np.int32)
-        self._hash = self._hash[self._by_hash]  # sorted, for look-ups by id
+        self._hash, by_hash = id_index  # for look-ups by id
+        self._by_hash = by_hash.astype(np.int32)
         self._leaf_of = leaf_of.astype(np.int32)
         self._leaf_items = leaf_items.astype(np.int32)
         self._leaf_start = np.searchsorted(leaf_of[leaf_items], np.arange(trie.leaves + 1)).astype(
@@ -144,7 +145,7 @@ class ItemTable:
                 value = int(tuples[bad[0]][tuples[bad[0]] >= vocab_size][0])
                 raise ItemTableError(f"{path}:{lines[bad[0]]}: token id {value} is beyond the model's vocabulary "
                                      f"(ids 0..{vocab_size - 1})")
-        _check_unique(path, ids, lines)
+        id_index = _id_index(path, ids, lines)
         del lines
         by_tuple = _lexsort(tuples)
         ranked = tuples[by_tuple]
@@ -155,7 +156,7 @@ class ItemTable:
         leaf_of[by_tuple] = np.cumsum(new) - 1
         trie = ItemTrie(ranked[new], device if device is not None else torch.device("cpu"))
         del ranked
-        return cls(ids, leaf_of, by_tuple, trie, os.path.abspath(path), version, time.time())
+        return cls(ids, id_index, leaf_of, by_tuple, trie, os.path.abspath(path), version, time.time())
 
 
 class ItemFilter:
@@ -201,15 +202,23 @@ def _hashes(ids: np.ndarray) -> np.ndarray:
     return value
 
 
-def _check_unique(path: str, ids: np.ndarray, lines: np.ndarray) -> None:
+def _id_index(path: str, ids: np.ndarray, lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ids' hashes sorted and the items in that order; an id that appears twice stops the load.
+    Equal hashes (a repeated id, or rarely a collision) are compared as ids, within their run."""
     hashes = _hashes(ids)
     order = np.argsort(hashes, kind="stable")
-    for i in np.flatnonzero(hashes[order][1:] == hashes[order][:-1]).tolist():
-        a, b = order[i], order[i + 1]
-        if ids[a] == ids[b]:  # not merely a collision of hashes
-            a, b = min(a, b), max(a, b)
-            raise ItemTableError(f"{path}:{lines[b]}: item id '{ids[b].decode('utf-8', 'replace')}' appears "
-                                 f"again (first on line {lines[a]})")
+    hashes = hashes[order]
+    for i in np.flatnonzero(hashes[1:] == hashes[:-1]).tolist():
+        b = order[i + 1]
+        j = i
+        while j >= 0 and hashes[j] == hashes[i + 1]:
+            a = order[j]
+            if ids[a] == ids[b]:  # not merely a collision of hashes
+                a, b = min(a, b), max(a, b)
+                raise ItemTableError(f"{path}:{lines[b]}: item id '{ids[b].decode('utf-8', 'replace')}' "
+                                     f"appears again (first on line {lines[a]})")
+            j -= 1
+    return hashes, order
 
 
 def _parse(path: str, data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -91,16 +91,20 @@ class BeamRequest(QueuedRequest):
 class _Group:
     """The live beams of one request."""
 
-    __slots__ = ("request", "trie", "tokens", "scores", "parents", "nodes", "round")
+    __slots__ = ("request", "tokens", "scores", "parents", "nodes", "round")
 
     def __init__(self, request: BeamRequest, device) -> None:
         self.request = request
-        self.trie = request.trie
         self.tokens: list[list[int]] = [[]]  # one token list per live beam; before round one, the prompt alone
         self.scores = torch.zeros(1, device=device)  # [live beams] cumulative log-probabilities
         self.parents: list[int] = []  # for each live beam, the row it continues among the last rows fed
         self.nodes = np.zeros(1, dtype=np.int64)  # each beam's trie node (the root before round one)
         self.round = 0
+
+    @property
+    def trie(self):
+        """Its request's item table trie, or None."""
+        return self.request.trie
 
 
 class BeamSearchBatch:
