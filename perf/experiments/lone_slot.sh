@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# A lone request on fixed_steps N=2, before and after both slots have run alone once (perf/RESULTS.md,
+# A lone request on fixed_steps N=2, before and after both slots have run alone once (perf/history/RESULTS-sessions-1-23.md,
 # tenth session). Environment variables pass through to the server, e.g.
 #   perf/lone_slot.sh                              # the defaults
 #   XLLM_TORCH_THREADS=1 perf/lone_slot.sh         # one thread a slot, never two
 #   OMP_WAIT_POLICY=ACTIVE perf/lone_slot.sh
 # Prints seconds per request (SmolLM2, 128 tokens out, greedy, streamed).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PORT=${PORT:-8403}
 .venv/bin/python server.py --port "$PORT" --log-level warning > /tmp/lone_slot_server.log 2>&1 &
 server=$!

@@ -6,7 +6,7 @@ Each case runs alone, then beside a thread that behaves like the event loop's: p
 prefills, the two ways alternating so that both meet the same neighbours; "split" is the time until
 both halves are done.
 
-    .venv/bin/python perf/wide_or_split.py --model perf/results/models/qwen3-small --batch-sizes 4,8,16
+    .venv/bin/python perf/experiments/wide_or_split.py --model perf/results/models/qwen3-small --batch-sizes 4,8,16
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 
+import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import torch
 from cli import cpu_model, positive_floats, positive_ints
 from servers import ensure_model

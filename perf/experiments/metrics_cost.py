@@ -6,7 +6,7 @@ in one process, interleaved over several rounds, and prints the per-request cost
 microseconds next to the time a served request takes (--request-us, default the seed
 workload's ~1,700 us a request at concurrency 32 on this machine), so the share is plain.
 
-    .venv/bin/python perf/metrics_cost.py --rounds 5
+    .venv/bin/python perf/experiments/metrics_cost.py --rounds 5
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import _perf_path  # noqa: E402, F401  (perf/ on sys.path: its tools by name)
 import prometheus_client  # noqa: E402
 from cli import cpu_model  # noqa: E402
 

@@ -8,7 +8,7 @@ everything from the bytes arriving to the answer written: httptools' parse, our 
 checks, the handler task, the response. Only protocol.py differs between the two sides; the
 other commit's file is loaded beside ours under another module name.
 
-    .venv/bin/python perf/protocol_cost.py --before d82d72b^ --rounds 7
+    .venv/bin/python perf/experiments/protocol_cost.py --before d82d72b^ --rounds 7
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import _perf_path  # noqa: E402, F401  (perf/ on sys.path: its tools by name)
 import uvloop  # noqa: E402
 from cli import cpu_model  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Our fused bfloat16 CPU kernels (xllm_async/model/cpu_kernels.py) against the eager code they
 replace, one operator at a time, at the row counts a server meets (decode steps to packed prefills).
 
-    .venv/bin/python perf/cpu_kernels.py                  # one thread, the 4-layer test model's widths
-    .venv/bin/python perf/cpu_kernels.py --threads 2 --hidden 576 --heads 9 --head-dim 64 \\
+    .venv/bin/python perf/experiments/cpu_kernels.py                  # one thread, the 4-layer test model's widths
+    .venv/bin/python perf/experiments/cpu_kernels.py --threads 2 --hidden 576 --heads 9 --head-dim 64 \\
         --intermediate 1536                               # SmolLM2's widths
 
 Each figure is the mean of --runs calls after a warm-up, in microseconds.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import torch
 import torch.nn.functional as F
 from cli import positive_ints

@@ -1,8 +1,8 @@
 """torch's fused CPU attention by prompt length: what memory it keeps and how long it takes, with
 lengths as they come against lengths rounded up to a multiple (model/attention.py pads them).
 
-    .venv/bin/python perf/attention_kernels.py                       # bfloat16, one thread
-    .venv/bin/python perf/attention_kernels.py --dtype float32
+    .venv/bin/python perf/experiments/attention_kernels.py                       # bfloat16, one thread
+    .venv/bin/python perf/experiments/attention_kernels.py --dtype float32
 
 1. Memory: rounds of causal attentions of random lengths (uniform in 30..--most-tokens), resident
    memory after each round (freed heap handed back first). In bfloat16 the kernel compiles a

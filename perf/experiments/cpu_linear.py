@@ -4,9 +4,9 @@ FMAs) against oneDNN's linear on its packed weight (torch.ops.mkldnn._linear_poi
 SmolLM2's layers and LM head, the 4-layer test model's layers, for a decode step's rows up to a
 prompt's.
 
-    .venv/bin/python perf/cpu_linear.py                                   # every shape, 1 and 2 threads
-    .venv/bin/python perf/cpu_linear.py --shapes 576x49152 --rows 128,512 --threads 2
-    .venv/bin/python perf/cpu_linear.py --dtype float32 --threads 2
+    .venv/bin/python perf/experiments/cpu_linear.py                                   # every shape, 1 and 2 threads
+    .venv/bin/python perf/experiments/cpu_linear.py --shapes 576x49152 --rows 128,512 --threads 2
+    .venv/bin/python perf/experiments/cpu_linear.py --dtype float32 --threads 2
 
 Weights are cold (each call reads another copy, COLD_BYTES of them in all, past a 32 MB L3) or
 warm (one copy, in the caches). Calls alternate ours / oneDNN / aten, so that on a shared machine all
@@ -21,6 +21,7 @@ import argparse
 import statistics
 import time
 
+import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import torch
 import torch.nn.functional as F
 from cli import cpu_model, positive_ints

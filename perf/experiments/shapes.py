@@ -3,7 +3,7 @@ interleaved: issue 14's "varied lengths" ratio measured side by side in one run.
 per shape, perf/sweep.py) moved the ratio by 0.1 between pairs here, the host drifting between
 them; here both shapes meet the same process, warm-up and drift.
 
-    .venv/bin/python perf/shapes.py --model perf/results/models/qwen3-small \\
+    .venv/bin/python perf/experiments/shapes.py --model perf/results/models/qwen3-small \\
         --config "fixed_steps-N2=--scheduler fixed_steps --concurrent-execute-stream-num 2"
 
 For each configuration and round: a fresh server, a warm-up of both shapes, then --passes passes
@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 
+import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import bench_serving as bench
 import servers
 from cli import cpu_model

@@ -2,9 +2,9 @@
 beam_topk.cpp) against the torch operators they replace, in one process, on the shapes a server
 meets: a packed prefill of 16 prompts, a 128-beam round's prompt stage, a block of its logits.
 
-    .venv/bin/python perf/cpu_attention.py                        # one thread, bfloat16
-    .venv/bin/python perf/cpu_attention.py --threads 2
-    .venv/bin/python perf/cpu_attention.py --threads 2 --dtype float32   # (no top-k row: bfloat16 only)
+    .venv/bin/python perf/experiments/cpu_attention.py                        # one thread, bfloat16
+    .venv/bin/python perf/experiments/cpu_attention.py --threads 2
+    .venv/bin/python perf/experiments/cpu_attention.py --threads 2 --dtype float32   # (no top-k row: bfloat16 only)
 
 torch's side: scaled_dot_product_attention (its fused CPU kernel) in one call for equal lengths,
 a call per prompt (each padded to a multiple of 16, as attention.py did) for mixed ones; the
@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 
+import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import torch
 import torch.nn.functional as F
 from cli import cpu_model
