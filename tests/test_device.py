@@ -138,18 +138,17 @@ def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
     """Two slots that had each grown an OpenMP pool over every core ran a lone request no faster
     than on one core (executor.start_slots): only slot 0 widens, and the scheduler gives it the
     next batch whenever it is idle."""
-    from xllm_async.engine.fixed_steps import FixedStepsBatcher
+    from xllm_async.engine.policies import CoreRule
     from xllm_async.runtime.executor import start_slots
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     slots = start_slots(torch.device("cpu"), 2)
     try:
         assert [(s.binding.cpu_threads, s.binding.all_threads) for s in slots] == [(2, 4), (2, 2)]
-        batcher = FixedStepsBatcher.__new__(FixedStepsBatcher)  # only its idle list is used here
-        batcher._idle = [slots[1], slots[0]]
-        assert batcher._take_idle() is slots[0] and batcher._take_idle() is slots[1]
-        batcher._idle = [slots[0], slots[1]]
-        assert batcher._take_idle() is slots[0]
+        idle = [slots[1], slots[0]]  # the most recently freed last
+        assert idle.pop(CoreRule.pick(idle)) is slots[0] and idle.pop(CoreRule.pick(idle)) is slots[1]
+        idle = [slots[0], slots[1]]
+        assert idle.pop(CoreRule.pick(idle)) is slots[0]
     finally:
         for slot in slots:
             slot.stop()
@@ -163,8 +162,9 @@ def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
 
 def test_a_forward_on_slot_0_takes_every_core_at_the_next_layer_once_alone(tiny_model_dir, monkeypatch):
     """A prefill that began beside another slot's batch runs on its share of the cores; once the
-    other batch ends, the forward widens at its next layer (StreamBinding.rebalance, called through
-    llama's layer hook), not at its next forward. Slot 1, which never widens, has no hook."""
+    other batch ends, the forward widens at its next layer (the core rule, handed to the forward as
+    between_layers: CoreRule.cores), not at its next forward. Slot 1, which never widens, is handed none."""
+    from xllm_async.engine.policies import CoreRule
     from xllm_async.model import llama
     from xllm_async.runtime.executor import start_slots
     from xllm_async.runtime.model_runner import ModelRunner
@@ -186,22 +186,18 @@ def test_a_forward_on_slot_0_takes_every_core_at_the_next_layer_once_alone(tiny_
     monkeypatch.setattr(llama.DecoderLayer, "forward", recording)
     slots = start_slots(torch.device("cpu"), 2)
     try:
-        slots[0].binding.alone = lambda: not other_busy.is_set()
-        hooks, done = {}, threading.Event()
+        cores = {slot.index: CoreRule.cores(slot.binding, lambda: not other_busy.is_set()) for slot in slots}
+        assert cores[0] is not None and cores[1] is None
+        done = threading.Event()
 
         def job(slot):
-            hooks[slot.index] = getattr(llama._layer_hook, "fn", None)
-            if slot.index == 0:
-                slot.binding.share_cores(False)  # began beside the other slot's batch
-                runner.prefill([[1, 2, 3, 4]])
-                seen.append(torch.get_num_threads())  # after the forward: still wide
+            slot.binding.share_cores(False)  # began beside the other slot's batch
+            runner.prefill([[1, 2, 3, 4]], between_layers=cores[0])
+            seen.append(torch.get_num_threads())  # after the forward: still wide
             done.set()
 
-        for slot in slots:
-            done.clear()
-            slot.submit(lambda slot=slot: job(slot))
-            assert done.wait(120)
-        assert hooks == {0: slots[0].binding.rebalance, 1: None}
+        slots[0].submit(lambda: job(slots[0]))
+        assert done.wait(120)
         layers = runner.model.shape.layers
         assert seen == [2] + [4] * layers
     finally:
@@ -209,20 +205,16 @@ def test_a_forward_on_slot_0_takes_every_core_at_the_next_layer_once_alone(tiny_
             slot.stop()
 
 
-def test_rebalance_follows_what_the_scheduler_says_and_nothing_without_it():
+def test_share_cores_follows_what_the_scheduler_says_and_starts_on_its_share():
     seen = []
 
     def run():
         binding = StreamBinding(torch.device("cpu"), 1, 3)
-        binding.enter()
-        binding.rebalance()  # no scheduler has said anything: its share
+        binding.enter()  # no scheduler has said anything: its share
         seen.append(torch.get_num_threads())
-        alone = [True]
-        binding.alone = lambda: alone[0]
-        binding.rebalance()
+        binding.share_cores(True)
         seen.append(torch.get_num_threads())
-        alone[0] = False
-        binding.rebalance()
+        binding.share_cores(False)
         seen.append(torch.get_num_threads())
         binding.exit()
 

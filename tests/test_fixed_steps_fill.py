@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xllm_async.config import Settings
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.fixed_steps import FILL_RETURNS, RETURN_WITHIN, SPLIT_AT, FixedStepsBatcher
+from xllm_async.engine.fixed_steps import FixedStepsBatcher
+from xllm_async.engine.policies import FILL_RETURNS, RETURN_WITHIN, SPLIT_AT, CoreRule, ReturnEstimate
 from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.sampling import SamplingParams
 from xllm_async.metrics import Metrics
@@ -36,18 +37,16 @@ class HeldSlot:
         self.batches: list[list] = []
 
     def submit(self, job) -> None:
-        self.batches.append(job.args[1])  # functools.partial(_run_to_completion, slot, batch)
+        self.batches.append(job.args[1])  # functools.partial(run the batch, slot, batch, ...)
 
 
 def request(max_tokens: int = 1, prompt_len: int = 3) -> EngineRequest:
     return EngineRequest(0, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), sink=None)
 
 
-def finished_elsewhere(batcher: FixedStepsBatcher, size: int, prefill_seconds: float) -> None:
+def finished_elsewhere(batcher: FixedStepsBatcher, clock, size: int, prefill_seconds: float) -> None:
     """As if a batch of `size` had just finished on a slot outside the test: its clients are on their way."""
-    batcher._last_batch = (size, prefill_seconds)
-    batcher._returning = size
-    batcher._owed.append([batcher._loop.time(), size])
+    batcher.returns.finished(clock.time(), size, prefill_seconds)
 
 
 async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
@@ -112,7 +111,7 @@ async def two_slots():
 
 async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
     batcher, slots, clock = two_slots
-    batcher._last_batch = (8, 10.0)  # a big batch finished last, with a long prefill, long ago
+    batcher.returns.last_size, batcher.returns.last_prefill = 8, 10.0  # a big batch, a long prefill, long ago
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1]
 
@@ -120,7 +119,7 @@ async def test_a_request_starts_at_once_when_no_other_slot_is_busy(two_slots):
 async def test_on_an_idle_server_the_last_batchs_clients_are_waited_for(two_slots):
     batcher, slots, clock = two_slots
     batcher.add([request()])
-    batcher._release(slots[0], 3, 10.0)  # a batch of 3 just finished: every slot idle now
+    batcher.ended(slots[0], 3, 10.0)  # a batch of 3 just finished: every slot idle now
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # the first one back waits for the others...
     batcher.add([request(), request()])
@@ -130,7 +129,7 @@ async def test_on_an_idle_server_the_last_batchs_clients_are_waited_for(two_slot
 async def test_on_an_idle_server_the_wait_ends_a_prefill_after_the_last_batch(two_slots):
     batcher, slots, clock = two_slots
     batcher.add([request()])
-    batcher._release(slots[0], 16, 0.05)
+    batcher.ended(slots[0], 16, 0.05)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1
     clock.advance(0.04)
@@ -149,7 +148,7 @@ async def test_one_slot_at_concurrency_two_runs_batches_of_two_not_alternating_o
     batcher, slots, clock = one_slot
     batcher.add([request()])  # client A's request runs...
     batcher.add([request()])  # ...while client B's waits
-    batcher._release(slots[0], 1, 10.0)  # A's answer goes out: A comes back, B is here
+    batcher.ended(slots[0], 1, 10.0)  # A's answer goes out: A comes back, B is here
     assert len(await started(batcher, slots)) == 1  # B does not start alone...
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1, 2]  # ...but with A's next
@@ -163,14 +162,14 @@ async def test_requests_answered_while_waiting_leave_the_queue_when_a_batch_ends
     assert batcher.num_waiting == 2
     for req in gone:
         req.done = req.aborted = True  # timed out or the client left
-    batcher._release(slots[0], 1, 10.0)
+    batcher.ended(slots[0], 1, 10.0)
     assert batcher.num_waiting == 0  # not counted against the queue limit while a batch fills
 
 
 async def test_a_lone_client_never_waits_after_its_own_batch(two_slots):
     batcher, slots, clock = two_slots
     batcher.add([request()])
-    batcher._release(slots[0], 1, 10.0)  # concurrency 1: the last batch held one request
+    batcher.ended(slots[0], 1, 10.0)  # concurrency 1: the last batch held one request
     batcher.add([request()])
     assert [len(s.batches) for s in slots] == [2, 0]  # started inside add(), as on a quiet server
 
@@ -179,7 +178,7 @@ async def test_with_a_busy_slot_the_batch_fills_to_the_last_batch_size(two_slots
     batcher, slots, clock = two_slots
     batcher.add([request(max_tokens=500)])  # long: no fair-share limit applies against it
     await started(batcher, slots)  # slot 0 is now busy for good
-    finished_elsewhere(batcher, 3, 10.0)
+    finished_elsewhere(batcher, clock, 3, 10.0)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # the lone request waits for company...
     batcher.add([request(), request()])
@@ -190,10 +189,10 @@ async def test_a_fill_beside_a_busy_slot_ends_when_that_slot_comes_free(two_slot
     batcher, slots, clock = two_slots
     batcher.add([request(max_tokens=500)])
     await started(batcher, slots)
-    finished_elsewhere(batcher, 3, 10.0)
+    finished_elsewhere(batcher, clock, 3, 10.0)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # waiting for company beside the busy slot...
-    batcher._release(slots[0], 5, 10.0)
+    batcher.ended(slots[0], 5, 10.0)
     # ...until that slot frees: then it starts, rather than both slots waiting for the freed
     # batch's clients.
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
@@ -203,12 +202,12 @@ async def test_once_every_answered_client_is_back_a_freed_slot_waits_no_more(two
     batcher, slots, clock = two_slots
     batcher.add([request(prompt_len=320) for _ in range(16)])
     batcher.add([request(prompt_len=320) for _ in range(16)])
-    batcher._release(slots[0], 16, 10.0)  # both batches end at once: 32 clients on their way back
-    batcher._release(slots[1], 16, 10.0)
+    batcher.ended(slots[0], 16, 10.0)  # both batches end at once: 32 clients on their way back
+    batcher.ended(slots[1], 16, 10.0)
     batcher.add([request(prompt_len=320) for _ in range(32)])  # all back together
     # The token budget (8192) lets one slot take 25; the other slot starts on the other 7 at
     # once: nobody else is coming, so waiting for company would idle it for a whole prefill.
-    # (Slot 0 takes the first whenever it is idle: FixedStepsBatcher._take_idle.)
+    # (Slot 0 takes the first whenever it is idle: CoreRule.pick.)
     await started(batcher, slots)
     assert [[len(b) for b in s.batches] for s in slots] == [[16, 25], [16, 7]]
 
@@ -217,7 +216,7 @@ async def test_a_batch_that_waited_for_company_is_counted_with_its_wait():
     metrics = Metrics()
     async with running_batcher(2, metrics=metrics) as (batcher, slots, clock):
         batcher.add([request()])  # a quiet server: starts at once, no wait
-        finished_elsewhere(batcher, 2, 10.0)
+        finished_elsewhere(batcher, clock, 2, 10.0)
         batcher.add([request()])  # beside the busy slot: waits for the other client
         await started(batcher, slots)
         clock.advance(0.02)  # (far inside the wait's 10 s limit: only the arrival ends it)
@@ -234,7 +233,7 @@ async def test_the_wait_never_exceeds_the_last_prefill(two_slots):
     batcher, slots, clock = two_slots
     batcher.add([request()])
     await started(batcher, slots)
-    finished_elsewhere(batcher, 16, 0.05)
+    finished_elsewhere(batcher, clock, 16, 0.05)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1
     clock.advance(0.04)
@@ -271,8 +270,8 @@ async def test_the_most_recently_freed_slot_is_taken_first(two_slots):
     batcher, slots, clock = two_slots
     batcher.add([request()])
     batcher.add([request()])  # both slots busy now
-    batcher._release(slots[1], 1, 0.001)
-    batcher._release(slots[0], 1, 0.001)
+    batcher.ended(slots[1], 1, 0.001)
+    batcher.ended(slots[0], 1, 0.001)
     batcher.add([request()])
     assert [len(s.batches) for s in slots] == [2, 1]  # slot 0 came free last: its thread is warm
 
@@ -282,7 +281,7 @@ async def test_a_wait_ends_when_its_timer_fires_whatever_the_clock_reads():
     # before its deadline.
     async with running_batcher(1, lag=0.005) as (batcher, slots, clock):
         batcher.add([request()])
-        batcher._release(slots[0], 16, 0.02)  # 16 clients coming back: the next request waits for them
+        batcher.ended(slots[0], 16, 0.02)  # 16 clients coming back: the next request waits for them
         batcher.add([request()])
         assert len(await started(batcher, slots)) == 1
         clock.advance(0.02)
@@ -298,11 +297,11 @@ async def test_requests_that_arrive_on_their_own_are_not_waited_for(two_slots):
     batcher.add([request(max_tokens=500)])  # slot 0 busy for good
     await started(batcher, slots)
     for _ in range(8):
-        finished_elsewhere(batcher, 2, 0.010)
+        finished_elsewhere(batcher, clock, 2, 0.010)
         clock.advance(0.012)  # the next arrivals come a prefill and more after the batch ended
-        batcher._repay(2)
-    assert batcher._return_delay > 0.010 * 0.5
-    finished_elsewhere(batcher, 3, 0.010)
+        batcher.returns.arrived(clock.time(), 2)
+    assert batcher.returns.return_delay > 0.010 * 0.5
+    finished_elsewhere(batcher, clock, 3, 0.010)
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # started, no wait
 
@@ -312,10 +311,10 @@ async def test_clients_that_come_back_at_once_are_still_waited_for(two_slots):
     batcher.add([request(max_tokens=500)])
     await started(batcher, slots)
     for _ in range(8):
-        finished_elsewhere(batcher, 2, 0.010)
+        finished_elsewhere(batcher, clock, 2, 0.010)
         clock.advance(0.0005)  # closed loop: back within a twentieth of a prefill
-        batcher._repay(2)
-    finished_elsewhere(batcher, 3, 0.010)
+        batcher.returns.arrived(clock.time(), 2)
+    finished_elsewhere(batcher, clock, 3, 0.010)
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1  # this one waits for company
 
@@ -325,14 +324,14 @@ async def test_clients_who_never_come_back_do_not_hide_a_closed_loop(two_slots):
     # loop: batches of 2 every 10 ms, their clients back within half a millisecond. Counted
     # oldest batch first, every arrival paid for the warm-up's clients and looked 8 batches late.
     batcher, slots, clock = two_slots
-    finished_elsewhere(batcher, 16, 0.010)
+    finished_elsewhere(batcher, clock, 16, 0.010)
     for _ in range(16):
-        finished_elsewhere(batcher, 2, 0.010)
+        finished_elsewhere(batcher, clock, 2, 0.010)
         clock.advance(0.0005)
-        batcher._repay(2)
+        batcher.returns.arrived(clock.time(), 2)
         clock.advance(0.0095)
-    assert batcher._return_delay < 0.010 * RETURN_WITHIN
-    assert batcher._returning == 0  # the warm-up's clients are no longer counted on
+    assert batcher.returns.return_delay < 0.010 * RETURN_WITHIN
+    assert batcher.returns.returning == 0  # the warm-up's clients are no longer counted on
 
 
 @pytest.fixture
@@ -344,7 +343,7 @@ async def wide_slot():
 async def test_nothing_starts_beside_a_short_batch_on_every_core(wide_slot):
     batcher, slots, clock = wide_slot
     batcher.add([request()])  # alone on an idle server: slot 0 takes every core
-    assert batcher._wide == 0
+    assert batcher.wide_slot == 0
     batcher.add([request(), request()])
     assert [len(b) for b in await started(batcher, slots)] == [1]  # slot 1 stays idle...
     assert len(batcher.waiting) == 2  # ...and they wait for slot 0
@@ -353,7 +352,7 @@ async def test_nothing_starts_beside_a_short_batch_on_every_core(wide_slot):
 async def test_beside_a_long_generation_a_free_slot_starts_as_before(wide_slot):
     batcher, slots, clock = wide_slot
     batcher.add([request(max_tokens=500)])  # long: decode-bound, shares its cores from its next step
-    assert batcher._wide is None
+    assert batcher.wide_slot is None
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
 
@@ -363,7 +362,7 @@ async def test_beside_a_long_generation_on_every_core_long_ones_join_it(wide_slo
     batcher.add([request(max_tokens=500)])  # alone: its decode steps take every core
     batcher.add([request(max_tokens=200), request(max_tokens=300)])
     assert [len(b) for b in await started(batcher, slots)] == [1]  # slot 1 stays idle...
-    assert len(batcher._joining[0]) == 2 and not batcher.waiting  # ...they join at its next step
+    assert batcher.joining[0] == 2 and not batcher.waiting  # ...they join at its next step
     batcher.add([request()])  # a short one still gets a batch of its own
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
 
@@ -374,12 +373,13 @@ async def test_long_ones_join_only_into_free_seats(wide_slot):
     batcher.add([request(max_tokens=500)])
     batcher.add([request(max_tokens=500) for _ in range(3)])  # two seats left: the third starts beside
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
-    assert len(batcher._joining[0]) == 2
-    batcher._release(slots[1], 1, 0.010)
-    batcher._joining[0].clear()  # slot 0's thread took them in...
-    batcher._generating[0] = [request(max_tokens=500)]  # ...and two of its three have finished since
+    assert batcher.joining[0] == 2
+    batcher.ended(slots[1], 1, 0.010)
+    seated = Seated([request(max_tokens=500)])  # slot 0's batch, as its thread made it...
+    batcher.made(0, seated)
+    assert len(batcher.joiners(0, seated)) == 2  # ...took them in, and two of its three have finished since
     batcher.add([request(max_tokens=500) for _ in range(3)])
-    assert len(batcher._joining[0]) == 2 and len(batcher.waiting) == 0  # its two free seats, and...
+    assert batcher.joining[0] == 2 and len(batcher.waiting) == 0  # its two free seats, and...
     assert [len(b) for b in await started(batcher, slots)] == [1, 1, 1]  # ...slot 1 for the last
 
 
@@ -392,39 +392,39 @@ async def test_long_ones_do_not_join_a_batch_on_a_slot_that_cannot_widen(two_slo
 
 async def test_after_a_wide_batch_its_own_thread_takes_what_waited(wide_slot):
     batcher, slots, clock = wide_slot
-    batcher._return_delay = 0.010  # requests arrive on their own: a prefill after an answer
+    batcher.returns.return_delay = 0.010  # requests arrive on their own: a prefill after an answer
     batcher.add([request()])
     batcher.add([request(), request()])
-    following = batcher._follow_on(prefill_seconds=0.010)  # what slot 0's thread does at its end
+    following = batcher.follow_on(prefill_seconds=0.010)  # what slot 0's thread does at its end
     assert len(following) == 2 and not batcher.waiting
-    batcher._followed(slots[0], 1, 0.010, following)
-    assert batcher._wide == 0 and batcher._running[0] == (2, 1)  # still alone on every core
+    batcher.followed(slots[0], 1, 0.010, following)
+    assert batcher.wide_slot == 0 and batcher.running[0] == (2, 1)  # still alone on every core
     batcher.add([request()])
     assert len(await started(batcher, slots)) == 1 and len(batcher.waiting) == 1  # waits for it again
-    batcher._release(slots[0], 2, 0.010)  # nothing was waiting when it ended: the loop starts the rest
+    batcher.ended(slots[0], 2, 0.010)  # nothing was waiting when it ended: the loop starts the rest
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]
-    assert batcher._wide == 0
+    assert batcher.wide_slot == 0
 
 
 async def test_a_follow_on_batch_stays_on_every_core_when_requests_arrive_as_it_is_taken(wide_slot):
     batcher, slots, clock = wide_slot
-    batcher._return_delay = 0.010
+    batcher.returns.return_delay = 0.010
     batcher.add([request()])
     batcher.add([request()])
-    following = batcher._follow_on(prefill_seconds=0.010)  # slot 0's thread takes it...
+    following = batcher.follow_on(prefill_seconds=0.010)  # slot 0's thread takes it...
     batcher.add([request()])  # ...and one more arrives before the loop hears of it
-    batcher._followed(slots[0], 1, 0.010, following)
-    assert batcher._wide == 0  # the thread runs it on every core: nothing may start beside it
+    batcher.followed(slots[0], 1, 0.010, following)
+    assert batcher.wide_slot == 0  # the thread runs it on every core: nothing may start beside it
     assert len(await started(batcher, slots)) == 1 and len(batcher.waiting) == 1
 
 
 async def test_in_a_closed_loop_a_wide_batch_hands_back_so_the_next_one_fills(wide_slot):
     batcher, slots, clock = wide_slot
-    batcher._return_delay = 0.0005  # clients back within a twentieth of a prefill
+    batcher.returns.return_delay = 0.0005  # clients back within a twentieth of a prefill
     batcher.add([request()])  # client A's request runs on every core...
     batcher.add([request()])  # ...while client B's waits
-    assert batcher._follow_on(prefill_seconds=0.010) == []  # not taken on the thread...
-    batcher._release(slots[0], 1, 0.010)
+    assert batcher.follow_on(prefill_seconds=0.010) == []  # not taken on the thread...
+    batcher.ended(slots[0], 1, 0.010)
     assert len(await started(batcher, slots)) == 1  # ...B waits for A's next request...
     batcher.add([request()])
     assert [len(b) for b in await started(batcher, slots)] == [1, 2]  # ...and they run together
@@ -432,10 +432,10 @@ async def test_in_a_closed_loop_a_wide_batch_hands_back_so_the_next_one_fills(wi
 
 async def test_a_long_generation_at_the_front_goes_back_to_the_loop(wide_slot):
     batcher, slots, clock = wide_slot
-    batcher._return_delay = 0.010
+    batcher.returns.return_delay = 0.010
     batcher.add([request()])
     batcher.add([request(max_tokens=500), request()])
-    assert batcher._follow_on(prefill_seconds=0.010) == []
+    assert batcher.follow_on(prefill_seconds=0.010) == []
     assert len(batcher.waiting) == 2
 
 
@@ -443,50 +443,67 @@ async def test_on_an_idle_server_enough_short_requests_split_between_the_slots(w
     batcher, slots, clock = wide_slot
     batcher.add([request() for _ in range(5)])  # five arrive at once: 3 + 2, each on its own cores
     assert [len(b) for b in await started(batcher, slots)] == [3, 2]
-    assert batcher._wide is None and not batcher.waiting
+    assert batcher.wide_slot is None and not batcher.waiting
 
 
 async def test_a_split_batch_is_told_it_is_alone_once_its_partner_ends(wide_slot):
-    """What a slot's thread reads between a forward's layers (StreamBinding.rebalance): split
-    batches run on their own cores while both run, and the one left takes every core, unless the
-    ended batch's clients are coming right back (closed loop) to start one on the freed slot."""
+    """What a slot's thread reads before each step and between a forward's layers (batcher.alone,
+    through CoreRule.cores): split batches run on their own cores while both run, and the one left
+    takes every core, unless the ended batch's clients are coming right back (closed loop) to start
+    one on the freed slot."""
     batcher, slots, clock = wide_slot
-    assert all(slot.binding.alone == batcher._alone for slot in slots)
     for return_delay, alone_after in ((3600.0, True), (0.0, False)):  # open loop, closed loop
-        batcher._return_delay = return_delay
+        batcher.returns = ReturnEstimate(return_delay)
         batcher.add([request() for _ in range(4)])
         assert [len(b) for b in await started(batcher, slots)][-2:] == [2, 2]
-        assert not slots[0].binding.alone()
-        batcher._release(slots[1], 2, 0.010)
-        assert slots[0].binding.alone() is alone_after
-        batcher._release(slots[0], 2, 0.010)
-        batcher._returning, batcher._owed = 0, type(batcher._owed)()
+        assert not batcher.alone()
+        batcher.ended(slots[1], 2, 0.010)
+        assert batcher.alone() is alone_after
+        batcher.ended(slots[0], 2, 0.010)
+
+
+def test_a_slot_that_may_widen_has_its_cores_follow_the_rule_between_layers():
+    told, alone = [], [False]
+    binding = SimpleNamespace(can_widen=True, share_cores=told.append)
+    cores = CoreRule.cores(binding, lambda: alone[0])
+    cores()
+    alone[0] = True
+    cores()
+    assert told == [False, True]
+    assert CoreRule.cores(SimpleNamespace(can_widen=False), lambda: True) is None  # its share is all it has
 
 
 async def test_fewer_than_split_at_run_together_on_every_core(wide_slot):
     batcher, slots, clock = wide_slot
     batcher.add([request() for _ in range(SPLIT_AT - 1)])
     assert [len(b) for b in await started(batcher, slots)] == [SPLIT_AT - 1]
-    assert batcher._wide == 0
+    assert batcher.wide_slot == 0
 
 
 async def test_a_wide_batch_keeps_every_core_while_clients_are_on_their_way(wide_slot):
     """Arrivals wait for a wide batch, so clients coming back start nothing beside it: it does
-    not give a core back between layers (StreamBinding.rebalance) for them."""
+    not give a core back between layers (batcher.alone) for them."""
     batcher, slots, clock = wide_slot
     batcher.add([request()])
     await started(batcher, slots)
-    assert batcher._wide == 0
-    finished_elsewhere(batcher, 4, 0.010)  # closed loop: four clients on their way
-    assert batcher._clients_on_their_way() and slots[0].binding.alone()
+    assert batcher.wide_slot == 0
+    finished_elsewhere(batcher, clock, 4, 0.010)  # closed loop: four clients on their way
+    assert batcher.returns.on_their_way and batcher.alone()
+
+
+class Seated(list):
+    """A running generation batch's rows, as the budget sees them when requests join it."""
+
+    def cache_in_use(self) -> tuple[int, int]:
+        return len(self), 0
 
 
 class _StepsBatch:
-    """Stands in for GenerationBatch in _run_batch: `steps` decode steps, each one noting the
+    """Stands in for GenerationBatch in StepLoop.run: `steps` decode steps, each one noting the
     thread count its slot was told to use at the step's start."""
 
-    def __init__(self, binding, steps: int) -> None:
-        self.binding, self.left, self.told = binding, steps, []
+    def __init__(self, binding, steps: int, between_layers) -> None:
+        self.binding, self.left, self.told, self.between_layers = binding, steps, [], between_layers
 
     def __len__(self) -> int:
         return self.left
@@ -502,25 +519,28 @@ class _StepsBatch:
 
 
 async def test_a_step_starts_on_the_cores_the_layers_would_give_it(wide_slot, monkeypatch):
-    """A step's start asks the scheduler what its layers do (_alone): a lone long generation
+    """A step's start asks the scheduler what its layers do (batcher.alone): a lone long generation
     runs its steps on its share while finished batches' clients are on their way (a closed loop:
     they start beside it), on every core once they are back, never wide for one layer only."""
-    from xllm_async.engine import fixed_steps
+    from xllm_async.engine import steps
 
     batcher, slots, clock = wide_slot
     binding = SimpleNamespace(told=[], can_widen=True)
     binding.share_cores = lambda alone: binding.told.append(alone)
-    slot = SimpleNamespace(index=0, binding=binding, busy_seconds=0.0, batches_run=0)
     made = []
-    monkeypatch.setattr(fixed_steps, "GenerationBatch",
-                        lambda runner, requests, metrics: made.append(_StepsBatch(binding, 2)) or made[-1])
-    batcher._idle.remove(slots[0])
-    batcher._mark_running(slot, [request(max_tokens=500)], alone=True)
-    finished_elsewhere(batcher, 4, 0.010)  # closed loop: four clients on their way
-    batcher._run_batch(slot, [request(max_tokens=500)])
-    batcher._returning = 0  # they are back
-    batcher._run_batch(slot, [request(max_tokens=500)])
+    monkeypatch.setattr(steps, "GenerationBatch", lambda runner, requests, metrics, between_layers:
+                        made.append(_StepsBatch(binding, 2, between_layers)) or made[-1])
+    loop = steps.StepLoop(None, SimpleNamespace(index=0, busy_seconds=0.0, batches_run=0), lambda items: None)
+    batcher.add([request(max_tokens=500)])  # slot 0 runs a lone long generation
+    assert batcher.wide_slot is None and batcher.busy_slots == 1
+    cores = CoreRule.cores(binding, batcher.alone)
+    finished_elsewhere(batcher, clock, 4, 0.010)  # closed loop: four clients on their way
+    for _ in range(2):
+        binding.share_cores(batcher.alone())  # before the prefill (FixedStepsBatcher)
+        loop.run([request(max_tokens=500)], cores=cores)
+        batcher.returns.arrived(clock.time(), 4)  # they are back
     assert [b.told for b in made] == [[False] * 3, [True] * 3]
+    assert all(b.between_layers is cores for b in made)  # the batch's forwards call it between layers
 
 
 async def test_long_generations_and_slots_that_cannot_widen_are_not_split(two_slots, wide_slot):
@@ -531,20 +551,20 @@ async def test_long_generations_and_slots_that_cannot_widen_are_not_split(two_sl
 
 async def test_after_a_wide_batch_enough_waiting_go_back_to_the_loop_to_split(wide_slot):
     batcher, slots, clock = wide_slot
-    batcher._return_delay = 0.010  # requests arrive on their own
+    batcher.returns.return_delay = 0.010  # requests arrive on their own
     batcher.add([request()])  # alone, on every core
     batcher.add([request() for _ in range(4)])  # arrive meanwhile: too many for one thread's follow-on
-    assert batcher._follow_on(prefill_seconds=0.010) == [] and len(batcher.waiting) == 4
-    batcher._release(slots[0], 1, 0.010)
+    assert batcher.follow_on(prefill_seconds=0.010) == [] and len(batcher.waiting) == 4
+    batcher.ended(slots[0], 1, 0.010)
     assert [len(b) for b in await started(batcher, slots)] == [1, 2, 2]
-    assert batcher._wide is None
+    assert batcher.wide_slot is None
 
 
 async def test_a_wait_for_company_lasts_a_few_return_delays_at_most(one_slot):
     batcher, slots, clock = one_slot
-    batcher._return_delay = 0.002
+    batcher.returns.return_delay = 0.002
     batcher.add([request()])
-    batcher._release(slots[0], 16, 0.100)  # 16 clients on their way, usually back within 2 ms
+    batcher.ended(slots[0], 16, 0.100)  # 16 clients on their way, usually back within 2 ms
     batcher.add([request()])
     clock.advance(FILL_RETURNS * 0.002 - 0.001)
     assert len(await started(batcher, slots)) == 1  # still waiting...
@@ -555,7 +575,7 @@ async def test_a_wait_for_company_lasts_a_few_return_delays_at_most(one_slot):
 async def test_requests_that_fill_a_batch_wait_for_nobody(one_slot):
     batcher, slots, clock = one_slot
     batcher.add([request()])
-    batcher._release(slots[0], 16, 10.0)  # 16 clients on their way
+    batcher.ended(slots[0], 16, 10.0)  # 16 clients on their way
     batcher.add([request(prompt_len=5000), request(prompt_len=5000)])  # over the 8,192-token budget
     assert [len(b) for b in await started(batcher, slots)] == [1, 1]  # the first goes at once
 
@@ -572,12 +592,12 @@ class GatedRunner(ModelRunner):
         self.entered, self.gate = threading.Event(), threading.Event()
         self.prefills: list[tuple[str, int]] = []
 
-    def prefill(self, prompts, capacity=0, into=None):
+    def prefill(self, prompts, capacity=0, into=None, between_layers=None):
         self.prefills.append((threading.current_thread().name, len(prompts)))
         if any(GATE in p for p in prompts):
             self.entered.set()
             self.gate.wait(120)
-        return super().prefill(prompts, capacity, into)
+        return super().prefill(prompts, capacity, into, between_layers)
 
 
 @pytest.mark.parametrize("arrive", [2, 3])
@@ -593,7 +613,7 @@ async def test_served_requests_wait_for_the_wide_batch_and_follow_it_on_its_thre
     port, batcher = service.http.port, service.engine.scheduler
     binding = service.slots[0].binding
     binding.all_threads = max(binding.all_threads, binding.cpu_threads + 1)  # on a 1-core machine too
-    batcher._return_delay = 3600.0  # requests arrive on their own (open loop)
+    batcher.returns.return_delay = 3600.0  # requests arrive on their own (open loop)
     body = {"max_tokens": 1}
     try:
         first = asyncio.create_task(asyncio.to_thread(post, port, "/v1/completions", {**body, "prompt": [1, GATE, 3]}))
@@ -604,7 +624,7 @@ async def test_served_requests_wait_for_the_wide_batch_and_follow_it_on_its_thre
             if len(batcher.waiting) == arrive:
                 break
             await asyncio.sleep(0.01)
-        assert len(batcher.waiting) == arrive and batcher._wide == 0
+        assert len(batcher.waiting) == arrive and batcher.wide_slot == 0
         runner.gate.set()
         results = await asyncio.gather(first, *others)
         assert all(status == 200 and answer["usage"]["completion_tokens"] == 1 for status, answer, _ in results)

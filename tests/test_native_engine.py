@@ -367,8 +367,8 @@ def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(nati
     widths = [16, 8, 1]
     fed = []
     feed = native.beam_decode
-    monkeypatch.setattr(native, "beam_decode", lambda state, tokens, *rest: fed.append(len(tokens)) or
-                        feed(state, tokens, *rest))
+    monkeypatch.setattr(native, "beam_decode", lambda state, tokens, *rest, **kw: fed.append(len(tokens)) or
+                        feed(state, tokens, *rest, **kw))
     skipping = run_beams(native, prompts, widths, [3, 3, 3], trie)
     rounds_skipping = list(fed)
     monkeypatch.setattr(BeamSearchBatch, "_forced", lambda self, expansions: None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from .request import Delta, EngineRequest
 from .runner import Runner
@@ -21,12 +22,14 @@ class GenerationBatch:
     is turned into state here, where a failure would fail the whole batch.
     """
 
-    __slots__ = ("runner", "requests", "kv", "_next_tokens", "_metrics")
+    __slots__ = ("runner", "requests", "kv", "between_layers", "_next_tokens", "_metrics")
 
-    def __init__(self, runner: Runner, requests: list[EngineRequest], metrics=None) -> None:
+    def __init__(self, runner: Runner, requests: list[EngineRequest], metrics=None,
+                 between_layers: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.requests = requests
         self.kv = None
+        self.between_layers = between_layers  # handed to every forward (StepLoop.run's cores)
         self._next_tokens: list[int] = []
         self._metrics = metrics
 
@@ -51,11 +54,12 @@ class GenerationBatch:
         scored = [r.params.prompt_logprobs for r in requests]
         try:
             if any(k is not None for k in scored):  # (scoring: every position's logits of these prompts)
-                logits, self.kv, scores = self.runner.prefill_scored(prompts, capacity, kv, scored)
+                logits, self.kv, scores = self.runner.prefill_scored(prompts, capacity, kv, scored,
+                                                                     between_layers=self.between_layers)
                 for req, score in zip(requests, scores):
                     req.prompt_scores = score
             else:
-                logits, self.kv = self.runner.prefill(prompts, capacity, kv)
+                logits, self.kv = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers)
         except Exception:
             if into is not None and self.kv is not None:  # the running rows go on; drop half-written ones
                 self.kv.select(list(range(first)))
@@ -73,7 +77,7 @@ class GenerationBatch:
             if not self.requests:
                 return []
         started = time.monotonic()
-        items = self._advance(self.runner.decode(self.kv, self._next_tokens))
+        items = self._advance(self.runner.decode(self.kv, self._next_tokens, between_layers=self.between_layers))
         if self._metrics is not None:
             self._metrics.batch_decoded(time.monotonic() - started, len(items))
         return items
@@ -81,12 +85,6 @@ class GenerationBatch:
     def cache_in_use(self) -> tuple[int, int]:
         """(rows, tokens a row may reach) of its cache, for the budget of requests that join it."""
         return len(self.requests), max((r.cache_tokens for r in self.requests), default=0)
-
-    def fail(self, exc: Exception) -> Items:
-        """End every unfinished sequence of the batch with an error (a forward raised)."""
-        items = fail_all(self.requests, exc)
-        self.requests = []
-        return items
 
     def _advance(self, logits, first: int = 0) -> Items:
         """Sample the next token of rows first.. (their logits in order) and hand them out."""

@@ -20,6 +20,7 @@ has one way to end is not fed at all (_forced).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -109,15 +110,17 @@ class _Group:
 
 class BeamSearchBatch:
     """Beam requests that step together on one execution thread; same interface
-    as GenerationBatch (prefill, decode, fail, len), deltas only at the end."""
+    as GenerationBatch (prefill, decode, len), deltas only at the end."""
 
-    __slots__ = ("runner", "requests", "groups", "state", "_metrics")
+    __slots__ = ("runner", "requests", "groups", "state", "between_layers", "_metrics")
 
-    def __init__(self, runner: Runner, requests: list[BeamRequest], metrics=None) -> None:
+    def __init__(self, runner: Runner, requests: list[BeamRequest], metrics=None,
+                 between_layers: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.requests = requests
         self.groups: list[_Group] = []
         self.state = None
+        self.between_layers = between_layers  # handed to every forward (StepLoop.run's cores)
         self._metrics = metrics
 
     def __len__(self) -> int:
@@ -129,7 +132,8 @@ class BeamSearchBatch:
             req.started = started
         prompts = [r.prompt_ids for r in self.requests]
         hidden, self.state = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
-                                                      max(r.rounds for r in self.requests))
+                                                      max(r.rounds for r in self.requests),
+                                                      between_layers=self.between_layers)
         self.groups = [_Group(req, hidden.device) for req in self.requests]
         self._choose(hidden)
         if self._metrics is not None:
@@ -154,7 +158,8 @@ class BeamSearchBatch:
             parents = [p for p, f in zip(parents, fed) if f]
             bounds = self._row_starts()
             widths = [sum(fed[a:b]) for a, b in zip(bounds, bounds[1:])]
-        hidden = self.runner.beam_decode(self.state, last, parents, widths) if last else None
+        hidden = self.runner.beam_decode(self.state, last, parents, widths,
+                                         between_layers=self.between_layers) if last else None
         self._choose(hidden, forced, expansions)
         if self._metrics is not None:
             self._metrics.batch_decoded(time.monotonic() - started, len(last))
@@ -184,13 +189,6 @@ class BeamSearchBatch:
         for g in self.groups:
             starts.append(starts[-1] + len(g.tokens))
         return starts
-
-    def fail(self, exc: Exception) -> list:
-        message = f"Generation failed: {type(exc).__name__}: {exc}"
-        items = [(g.request, g.request.fail(message)) for g in self.groups] if self.groups else \
-            [(r, r.fail(message)) for r in self.requests]
-        self.groups = []
-        return items
 
     def _choose(self, hidden: torch.Tensor | None, forced: list[bool] | None = None,
                 expansions: list | None = None) -> None:

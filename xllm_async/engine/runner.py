@@ -10,6 +10,7 @@ contract names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -40,19 +41,25 @@ class Runner(Protocol):
         """On a slot's thread at start-up: capture the forward as graphs for that thread, or None
         where the runner has none."""
 
-    def prefill(self, prompts: list[list[int]], capacity: int = 0, into=None) -> tuple[torch.Tensor, object]:
-        """Run the prompts; last-position logits [rows, vocab] and, with capacity or into, their cache."""
+    def prefill(self, prompts: list[list[int]], capacity: int = 0, into=None,
+                between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, object]:
+        """Run the prompts; last-position logits [rows, vocab] and, with capacity or into, their cache.
+        between_layers (here and in every call that runs a forward): called after each decoder
+        layer where the runner has layers of its own, so the engine's CPU core rule acts mid-forward."""
 
-    def prefill_scored(self, prompts: list[list[int]], capacity: int, into, scored: list[int | None]):
+    def prefill_scored(self, prompts: list[list[int]], capacity: int, into, scored: list[int | None],
+                       between_layers: Callable[[], None] | None = None):
         """prefill(), and each prompt's PromptScores (model/scoring.py) where scored[i] is set."""
 
-    def decode(self, kv, tokens: list[int]) -> torch.Tensor:
+    def decode(self, kv, tokens: list[int], between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One token per row of the cache; the next logits [rows, vocab]."""
 
-    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int) -> tuple[torch.Tensor, object]:
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
+                     between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, object]:
         """Each prompt once; (hidden states [prompts, ...], the beams' state) for logits() and beam_decode()."""
 
-    def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
+    def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],
+                    between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One token per live beam, each continuing the row `parents[i]` of the last round."""
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,

@@ -10,7 +10,6 @@ is a separate call so that beam search can compute only the tokens it may take.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
@@ -20,15 +19,6 @@ from torch import nn
 from .layers import GatedMlp, Linear, PackedWeight, RMSNorm, RotaryEmbedding, apply_rotary, packed_linear, rows_padded
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-
-# What a forward calls on its own thread after every decoder layer, where that thread set one
-# (set_layer_hook): a CPU execution slot re-balances its cores there (StreamBinding.rebalance).
-_layer_hook = threading.local()
-
-
-def set_layer_hook(hook: Callable[[], None] | None) -> None:
-    """Call hook after every decoder layer of every forward run on this thread (None: nothing)."""
-    _layer_hook.fn = hook
 
 
 class ModelShape:
@@ -158,8 +148,9 @@ class CausalLM(nn.Module):
         self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
         self.fused = None  # set by use_fused_kernels
 
-    def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
-        """tokens [rows] -> final hidden states [rows that need logits, hidden]."""
+    def forward(self, tokens: torch.Tensor, ctx, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """tokens [rows] -> final hidden states [rows that need logits, hidden]. between_layers:
+        called after every layer (the engine's CPU core rule takes or gives back cores there)."""
         rows = tokens.shape[0]
         if self.pad_rows:
             # oneDNN compiles a kernel per number of rows (layers.padded_rows): the rows go through
@@ -168,17 +159,16 @@ class CausalLM(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype, self.fused)
         last = self.layers[-1]
-        hook = getattr(_layer_hook, "fn", None)
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, ctx)
-            if hook is not None:
-                hook()
+            if between_layers is not None:
+                between_layers()
         keep = getattr(ctx, "last", None)
         if keep is not None and not ctx.scoring:
             ctx.last_only = True
         x = last(x, cos, sin, ctx, keep)
-        if hook is not None:
-            hook()  # before the LM head (the runner's next call) too
+        if between_layers is not None:
+            between_layers()  # before the LM head (the runner's next call) too
         return self.norm(x if keep is not None else x[:rows])
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,

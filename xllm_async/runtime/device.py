@@ -78,16 +78,13 @@ class StreamBinding:
     device and the intra-op thread count are all per-thread state.
     """
 
-    __slots__ = ("device", "cpu_threads", "all_threads", "stream", "alone", "_threads", "_stack")
+    __slots__ = ("device", "cpu_threads", "all_threads", "stream", "_threads", "_stack")
 
     def __init__(self, device: torch.device, cpu_threads: int, all_threads: int = 0) -> None:
         self.device = device
         self.cpu_threads = cpu_threads  # intra-op threads of this slot, on CPU
         self.all_threads = max(all_threads, cpu_threads)  # what it may use while every other slot is idle
         self.stream = None
-        # Whether this slot's batch may take every core now, as the scheduler sees it (read by
-        # rebalance; None: never asked, the scheduler calls share_cores itself).
-        self.alone: Callable[[], bool] | None = None
         self._threads = cpu_threads
         self._stack = contextlib.ExitStack()
 
@@ -105,13 +102,6 @@ class StreamBinding:
         if threads != self._threads and self.stream is None and self.device.type == "cpu":
             torch.set_num_threads(threads)
             self._threads = threads
-
-    def rebalance(self) -> None:
-        """share_cores as alone() says now. Between a forward's layers (llama.set_layer_hook), so
-        that a prefill begun beside another slot's takes every core once that one ends, not at its
-        next forward: a lone prompt that began on one core of two finishes sooner."""
-        if self.alone is not None:
-            self.share_cores(self.alone())
 
     def enter(self) -> None:
         accel = _accelerator(self.device)

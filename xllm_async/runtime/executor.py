@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..model.llama import set_layer_hook
 from .device import StreamBinding
 
 log = logging.getLogger("xllm_async.executor")
@@ -73,8 +72,6 @@ class ExecutionSlot:
         # Before binding: the intra-op threads this thread starts inherit its priority.
         lower_priority(self.nice)
         self.binding.enter()
-        if self.binding.can_widen:
-            set_layer_hook(self.binding.rebalance)  # its forwards take or give back cores between layers
         self._description = self.binding.describe()
         self._ready.set()
         try:

@@ -130,15 +130,16 @@ class TransformersRunner:
         log.info("key/value cache budget: %d slot(s) x %d tokens (%d bytes a token, from the config)", slots,
                  self.kv_tokens, self.token_bytes)
 
-    def prefill(self, prompts: list[list[int]], capacity: int = 0,
-                into: KvCache | None = None) -> tuple[torch.Tensor, KvCache | None]:
+    def prefill(self, prompts: list[list[int]], capacity: int = 0, into: KvCache | None = None,
+                between_layers=None) -> tuple[torch.Tensor, KvCache | None]:
         """Run the prompts; return last-position logits [rows, vocab] and, if asked
-        (capacity > 0 or into), their cache (into: merged below into's rows)."""
+        (capacity > 0 or into), their cache (into: merged below into's rows). between_layers is
+        never called here: transformers' forward has no place for it (cores move between steps)."""
         _, logits, kv = self._run(prompts, capacity, into, False)
         return logits, kv
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: KvCache | None,
-                       scored: list[int | None]):
+                       scored: list[int | None], between_layers=None):
         """prefill(), and for each prompt i with scored[i] set, its PromptScores (as ModelRunner's).
         transformers computes every position's logits of the batch, [rows, longest, vocab]."""
         every, logits, kv = self._run(prompts, capacity, into, True)
@@ -170,7 +171,7 @@ class TransformersRunner:
         into.merge(kv)
         return out.logits, logits, into
 
-    def decode(self, kv: KvCache, tokens: list[int]) -> torch.Tensor:
+    def decode(self, kv: KvCache, tokens: list[int], between_layers=None) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         kv.mask = torch.cat([kv.mask, kv.mask.new_ones((len(tokens), 1))], dim=1)
@@ -181,12 +182,13 @@ class TransformersRunner:
 
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 
-    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int):
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None):
         """Returns (logits [prompts, vocab] as the "hidden states", state); logits() slices them."""
         logits, kv = self.prefill(prompts, capacity=1 if rounds > 1 else 0)
         return logits, _CopiedBeams(kv, len(prompts))
 
-    def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
+    def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],
+                    between_layers=None) -> torch.Tensor:
         state.kv.select(parents)  # copies each parent's whole cache row, prompt included
         state.widths = widths
         return self.decode(state.kv, tokens)

@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -130,12 +131,13 @@ class ModelRunner:
         self._local.graphs = graphs
         return graphs
 
-    def _forward(self, tokens: list[int], ctx) -> torch.Tensor:
+    def _forward(self, tokens: list[int], ctx, between_layers: Callable[[], None] | None) -> torch.Tensor:
         """The model's forward, from this thread's graphs where it has some of that size: the final
-        hidden states of the rows that need logits (ctx.last's, where it has one)."""
+        hidden states of the rows that need logits (ctx.last's, where it has one). between_layers:
+        called after every layer of an eager forward (the engine's CPU core rule)."""
         graphs = getattr(self._local, "graphs", None)
         if graphs is None or len(tokens) > graphs.max_rows:
-            return self.model(self._ids(tokens), ctx)
+            return self.model(self._ids(tokens), ctx, between_layers)
         hidden = graphs.forward(torch.tensor(tokens, dtype=torch.long), ctx)
         last = getattr(ctx, "last", None)
         return hidden if last is None else hidden[last]
@@ -144,20 +146,22 @@ class ModelRunner:
         return torch.tensor(tokens, dtype=torch.long).to(self.device)
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0,
-                into: SlabCache | None = None) -> tuple[torch.Tensor, SlabCache | None]:
+                into: SlabCache | None = None, between_layers: Callable[[], None] | None = None,
+                ) -> tuple[torch.Tensor, SlabCache | None]:
         """Run the prompts packed; return last-position logits [rows, vocab] and the cache.
 
         capacity > 0 keeps their keys in a cache with room for that many tokens a row;
         into appends them as new rows of an existing cache (the continuous scheduler).
         """
-        hidden, cache, _ = self._packed(prompts, capacity, into, None)
+        hidden, cache, _ = self._packed(prompts, capacity, into, None, between_layers)
         return self.model.logits(hidden), cache
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
-                       scored: list[int | None]) -> tuple[torch.Tensor, SlabCache | None, list]:
+                       scored: list[int | None], between_layers: Callable[[], None] | None = None,
+                       ) -> tuple[torch.Tensor, SlabCache | None, list]:
         """prefill(), and for each prompt i with scored[i] set, its PromptScores with the
         scored[i] likeliest alternatives at every position (None for the others)."""
-        hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored])
+        hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored], between_layers)
         head = self.model.logits
         scores, row = [], 0
         for prompt, top in zip(prompts, scored):
@@ -170,7 +174,8 @@ class ModelRunner:
         return head(hidden[ctx.last_kept]), cache, scores
 
     def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
-                whole: list[bool] | None) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
+                whole: list[bool] | None, between_layers: Callable[[], None] | None,
+                ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
         lengths = [len(p) for p in prompts]
         cache, first = into, 0
         if capacity or into is not None:
@@ -179,18 +184,20 @@ class ModelRunner:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
         ctx = PackedPrefill(lengths, self.device, cache, first, whole)
-        return self._forward(list(itertools.chain.from_iterable(prompts)), ctx), cache, ctx
+        return self._forward(list(itertools.chain.from_iterable(prompts)), ctx, between_layers), cache, ctx
 
-    def decode(self, kv: SlabCache, tokens: list[int]) -> torch.Tensor:
+    def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
+               ) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
         kv.ensure_room()
-        hidden = self._forward(tokens, Decode(kv))
+        hidden = self._forward(tokens, Decode(kv), between_layers)
         kv.step()
         return self.model.logits(hidden)
 
     # --- beam search (engine/beam.py): the prompt's keys once, each beam's own tokens apart ---
 
-    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int):
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
+                     between_layers: Callable[[], None] | None = None):
         """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
         widths: the most beams each request will have; rounds: the most rounds any request runs.
 
@@ -204,15 +211,18 @@ class ModelRunner:
             cache.add_rows(lengths, max(lengths))
             # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
             own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache))
+        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache),
+                               between_layers)
         return hidden, BeamState(cache, lengths, own)
 
-    def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int]) -> torch.Tensor:
+    def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
+                    between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One round: every live beam's last token in; final hidden states [beams, hidden] out.
         parents[i]: the row of the last round that beam i continues; widths: live beams per request."""
         state.follow(parents, widths)
         ctx = BeamDecode(state.prompts, state.lengths, state.starts, state.own, state.step, self.device)
-        hidden = self._forward(tokens, ctx)  # (from graphs: a view, valid until this thread's next forward)
+        # (from graphs: a view, valid until this thread's next forward)
+        hidden = self._forward(tokens, ctx, between_layers)
         state.step += 1
         return hidden
 
