@@ -19,7 +19,7 @@ from ..engine.engine import CacheTooSmall, Engine, EngineFull, TooManySequences
 from ..engine.output import OutputStream
 from ..engine.request import EngineRequest
 from ..errors import ApiError
-from ..http.protocol import HttpRequest
+from ..http.request import HttpRequest
 from ..http.response import TEXT, Responder
 from .access_log import AccessLog, AccessRecord
 from .fields import shown
