@@ -39,7 +39,7 @@ def _encoded(model: ModelInfo, text: str, param: str, special: bool) -> list[int
 
 
 def _all_ints(values: list) -> bool:
-    # set(map(type, ...)) runs in C: a 320-token prompt is checked in microseconds (and bools are refused).
+    # set(map(type, ...)) runs in C, so a long prompt is checked cheaply (and bools are refused).
     return set(map(type, values)) == {int}
 
 
