@@ -8,13 +8,14 @@ It starts server.py on the tiny perf model (or --model), drives it with
 perf/bench_serving.py in a subprocess, records the server with py-spy (all threads,
 `--native` off) and folds every sample by the innermost frame that names a stage:
 
-  parse      HTTP parsing and JSON/field validation (http/protocol, api/requests, api/fields)
+  parse      HTTP parsing and JSON/field validation (http/request, http/protocol, api/requests,
+             api/prompts, api/fields)
   tokenise   text -> token ids (only string prompts; token-id prompts skip it)
   schedule   batcher, budgets, engine bookkeeping, delivery to waiting handlers
   forward    the model forward (torch / transformers)
   sample     logits -> tokens (engine/sampling)
   detokenise token ids -> text (engine/detokenizer, tokenizer.decode)
-  respond    response JSON and SSE framing (api/responses, api/app)
+  respond    response JSON and SSE framing (api/responses, api/generation, api/app)
   write      transport writes (http/response, protocol.write)
 
 CPU time comes from /proc, per thread, over the profiled window only (which opens once the
@@ -49,8 +50,9 @@ STAGES = [
     ("detokenise", ("engine/detokenizer.py", "tokenization_utils", "decode (")),
     ("tokenise", ("encode (", "apply_chat_template")),
     ("forward", ("torch/", "transformers/", "model_runner.py")),
-    ("parse", ("http/protocol.py", "api/requests.py", "api/fields.py", "parse_json")),
-    ("respond", ("api/responses.py", "api/app.py", "access_log.py")),
+    ("parse", ("http/request.py", "http/protocol.py", "api/requests.py", "api/prompts.py", "api/fields.py",
+               "parse_json")),
+    ("respond", ("api/responses.py", "api/generation.py", "api/app.py", "access_log.py")),
     ("write", ("http/response.py",)),
     ("schedule", ("engine/", "runtime/executor.py", "metrics.py")),
 ]

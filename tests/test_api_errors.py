@@ -176,7 +176,8 @@ def test_long_text_is_tokenized_off_the_event_loop():
     import orjson
 
     from xllm_async.api.app import OpenAIApp
-    from xllm_async.api.requests import LONG_TEXT, ModelInfo, parse_completion
+    from xllm_async.api.model_info import LONG_TEXT, ModelInfo
+    from xllm_async.api.requests import parse_completion
     from xllm_async.metrics import Metrics
 
     started, release = threading.Event(), threading.Event()

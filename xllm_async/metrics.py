@@ -2,7 +2,7 @@
 
 Cross-cutting: the HTTP, API and engine layers import this; it imports none
 of them. Observations may come from slot threads, so each metric takes a lock
-(uncontended, ~100 ns): cheaper than shipping numbers to the loop.
+(uncontended, it costs less than shipping numbers to the loop).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ class ProcessFigures:
     Python version) from prometheus_client's collectors, under their standard names.
 
     They run only when /metrics is scraped. The per-request metrics above stay hand-written:
-    perf/metrics_cost.py measured prometheus_client's updates at 2.6x ours on the hot path
-    (perf/RESULTS.md, "Metrics cost")."""
+    prometheus_client's updates cost more on the hot path (perf/metrics_cost.py; perf/RESULTS.md,
+    "Metrics cost")."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector

@@ -1,12 +1,12 @@
-"""What the HTTP protocol's valid path costs per request: this checkout's protocol.py against
+"""What the HTTP protocol's valid path costs per request: this checkout's http package against
 another commit's, in one process, interleaved rounds.
 
 A served benchmark (`make bench`) cannot see a difference of a few microseconds on this machine
 (its round-to-round noise is 2-6%), so this drives `HttpProtocol` directly: a fake transport, a
 handler that answers at once, the same keep-alive chat request fed N times. What is timed is
 everything from the bytes arriving to the answer written: httptools' parse, our callbacks and
-checks, the handler task, the response. Only protocol.py differs between the two sides; the
-other commit's file is loaded beside ours under another module name.
+checks, the handler task, the response. Only xllm_async/http/ differs between the two sides: the
+other commit's package is loaded beside ours under another name (xllm_async.http_before).
 
     .venv/bin/python perf/experiments/protocol_cost.py --before d82d72b^ --rounds 7
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import importlib.util
 import platform
 import statistics
@@ -32,7 +33,6 @@ import uvloop  # noqa: E402
 from cli import cpu_model  # noqa: E402
 
 from xllm_async.http import protocol as current  # noqa: E402
-from xllm_async.http.protocol import HttpLimits  # noqa: E402
 
 BODY = (b'{"model":"m","messages":[{"role":"user","content":"What is the capital of France?"}],'
         b'"max_tokens":1,"temperature":0}')
@@ -43,18 +43,21 @@ ANSWER = b'{"id":"x","object":"chat.completion","choices":[]}'
 
 
 def load_protocol_at(commit: str):
-    """protocol.py as it was at COMMIT, imported as a sibling of ours (its relative imports
-    resolve to today's response.py and errors.py, which only grew)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:xllm_async/http/protocol.py"],
-                            check=True, capture_output=True, text=True).stdout
-    folder = Path(tempfile.mkdtemp(prefix="protocol-before-"))
-    path = folder / "protocol_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("xllm_async.http.protocol_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """xllm_async/http/ as it was at COMMIT, imported as a sibling package of ours (its imports
+    from outside http/, such as ..errors, resolve to today's modules); its protocol module."""
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, "xllm_async/http/"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    folder = Path(tempfile.mkdtemp(prefix="http-before-"))
+    for name in files:
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{name}"],
+                                check=True, capture_output=True, text=True).stdout
+        (folder / Path(name).name).write_text(source)
+    spec = importlib.util.spec_from_file_location("xllm_async.http_before", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module("xllm_async.http_before.protocol")
 
 
 class FakeTransport:
@@ -102,7 +105,7 @@ async def per_request_us(module, n: int) -> float:
         if count == n:
             done.set()
 
-    proto = module.HttpProtocol(handler, set(), HttpLimits(), on_response)
+    proto = module.HttpProtocol(handler, set(), module.HttpLimits(), on_response)
     transport = FakeTransport()
     proto.connection_made(transport)
     start = time.perf_counter()
@@ -126,7 +129,7 @@ async def run(args) -> None:
             results[name].append(await per_request_us(module, args.requests))
     print(f"CPU: {cpu_model()}; Python {platform.python_version()}; uvloop; {args.requests} requests x "
           f"{args.rounds} rounds, order alternating")
-    print("| protocol.py | us per request, median | rounds |")
+    print("| xllm_async/http | us per request, median | rounds |")
     print("|---|---|---|")
     for name, values in results.items():
         print(f"| {name} | {statistics.median(values):.2f} | {', '.join(f'{v:.2f}' for v in values)} |")
@@ -136,7 +139,7 @@ async def run(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="d82d72b^", help="the commit whose protocol.py to compare with")
+    parser.add_argument("--before", default="d82d72b^", help="the commit whose xllm_async/http/ to compare with")
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()

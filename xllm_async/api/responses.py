@@ -151,7 +151,7 @@ class CompletionShape(ResponseShape):
             text = (sent if sent is not None else self.tokenizer.decode(prompt)) + text
             if self.logprobs:
                 # The prompt's tokens first: the first has no log-probability (nothing comes before it).
-                texts = [self.token_text(t) for t in prompt]  # (2 us each; batch_decode takes 28)
+                texts = [self.token_text(t) for t in prompt]  # (one decode a token costs less than batch_decode)
                 k = request.params.logprobs
                 top = [None] + [self._top(alternatives[:k], texts[i + 1], lp)
                                 for i, (alternatives, lp) in enumerate(zip(scores.top, scores.logprobs))]
