@@ -13,7 +13,7 @@ import torch
 
 from .api.app import OpenAIApp
 from .api.items import ItemTable, ItemTableError
-from .api.requests import BeamLimits, ModelInfo
+from .api.model_info import BeamLimits, ModelInfo
 from .config import ConfigError, Settings
 from .engine.engine import Engine
 from .http.protocol import HttpLimits

@@ -9,7 +9,6 @@ from ..engine.sampling import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo
-from .model_info import BeamLimits as BeamLimits  # (service.py imports it from here)
 from .prompts import chat_prompt, completion_prompts
 
 MAX_LOGPROBS = 20

@@ -1,0 +1,119 @@
+"""The house's shape, checked on every run (issue 36): which room may import which, no circle of
+imports between modules, and no product file too long to read in one sitting.
+
+The rooms, bottom to top (docs/ARCHITECTURE.md draws them): model (the network and its kernels),
+runtime (devices, slots, the runners that drive a model), engine (requests, batches, schedulers,
+beams; it calls a runner only through engine/runner.py's contract, so it imports neither model nor
+runtime), http (bytes to requests and back), api (the OpenAI routes over the engine), and service
+(which builds them all). errors, config and metrics import nothing of ours.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "xllm_async")
+MAX_LINES = 350  # the longest product file a newcomer reads in one go
+
+# room -> the rooms it may import (besides itself)
+ALLOWED = {
+    "xllm_async": set(),  # the package's __init__
+    "errors": set(),
+    "config": set(),
+    "metrics": set(),
+    "random_model": set(),
+    "model": {"errors"},
+    "runtime": {"model", "config", "errors"},
+    "engine": {"metrics", "errors"},
+    "http": {"errors"},
+    "api": {"engine", "http", "errors", "metrics", "xllm_async"},
+    "service": {"api", "engine", "http", "runtime", "model", "config", "errors", "metrics"},
+}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file path, for every product module."""
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(module: str, path: str) -> set[str]:
+    """The product modules (or packages) this file imports, absolute."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{target}.{alias.name}" for alias in node.names]
+            else:
+                target, names = node.module or "", [f"{node.module}.{alias.name}" for alias in node.names]
+            if target.startswith("xllm_async"):
+                targets.add(target)
+                targets.update(names)  # `from . import x` imports the module x
+        elif isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names if alias.name.startswith("xllm_async"))
+    return targets
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: {t for t in _imports(m, p) if t in modules and t != m} for m, p in modules.items()}
+
+
+def test_every_room_imports_only_the_rooms_below_it():
+    wrong = []
+    for module, targets in _graph().items():
+        room = _room(module)
+        assert room in ALLOWED, f"{module}: a room the layout does not know; add it to ALLOWED"
+        wrong += [f"{module} -> {t}" for t in sorted(targets)
+                  if _room(t) != room and _room(t) not in ALLOWED[room]]
+    assert not wrong, "imports running up or across the house:\n" + "\n".join(wrong)
+
+
+def test_no_circle_of_imports_between_modules():
+    graph = _graph()
+    # A package's __init__ importing its own modules is how a package works, not a circle.
+    for module in graph:
+        graph[module] = {t for t in graph[module] if not module.startswith(t + ".")}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "circles of imports:\n" + "\n".join(circles)
+
+
+@pytest.mark.parametrize("path", sorted(_modules().values()), ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_product_file_is_longer_than_a_sitting(path):
+    with open(path, encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
+    assert lines < MAX_LINES, f"{os.path.relpath(path, ROOT)}: {lines} lines; split it by job"
