@@ -12,27 +12,27 @@ __version__ = "0.1.0"
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 # torch's CPU build runs its intra-op threads on GNU OpenMP, whose idle threads spin about 300,000
-# times before they sleep. A slot with two threads shares the cores with the event loop (and, when
-# benchmarked, the client): measured here (2 cores, continuous N=1, fresh processes, 14 rounds),
-# the default made about one server process in two run 20-35% slower at concurrency 32, for its
-# whole life; 30,000 spins kept every process but one at the fast mode, with no loss at
-# concurrency 2. libgomp reads it when torch loads it, so it is set here; a user's value wins.
+# times before they sleep. A slot's threads share the cores with the event loop (and, when
+# benchmarked, the client): with the default, some server processes ran markedly slower for their
+# whole life; 30,000 spins kept them fast at no cost at low concurrency (measured:
+# perf/history/RESULTS-sessions-1-23.md, "OpenMP spinning"). libgomp reads it when torch loads it,
+# so it is set here; a user's value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 # torch's oneDNN (ideep) keeps up to LRU_CACHE_CAPACITY compiled primitives per thread (default
 # 1024), one per operator shape. A server sees a new shape with nearly every batch (packed prompts
 # of any length, beam rounds of any width), so every slot thread and OpenMP worker filled its
-# cache: in a 10,000-request bfloat16 soak with beam searches, resident memory rose from 1.4 to
-# 2.5 GB. 128 keeps the shapes that recur (decode steps) and bounds the rest (the same soak: flat
-# at ~1.0-1.2 GB). Read when oneDNN first runs, so it is set here; a user's value wins.
+# cache and a long soak's resident memory kept growing. 128 keeps the shapes that recur (decode
+# steps) and bounds the rest (measured: perf/history/RESULTS-sessions-1-23.md, LRU_CACHE_CAPACITY).
+# Read when oneDNN first runs, so it is set here; a user's value wins.
 os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
 
 # glibc gives each thread that allocates its own malloc arena (up to 8 per core): slot threads,
 # OpenMP workers and the event loop each kept a heap of freed chunks that malloc_trim could only
-# partly return, and resident memory stepped up by 20-30 MB whenever a thread first met a larger
-# batch (a 10,000-request soak: +3-7% after its first tenth with every kernel compiled at start-up).
-# One arena for the process: the same soak +2.0% and +2.2%, and 25 MB lower. Set before torch starts
-# its threads; a user's MALLOC_ARENA_MAX wins (glibc reads that itself).
+# partly return, and resident memory stepped up whenever a thread first met a larger batch. One
+# arena for the process grew less and held less over a long soak (measured: perf/history/RESULTS-sessions-1-23.md,
+# "One malloc arena"). Set before torch starts its threads; a user's MALLOC_ARENA_MAX wins (glibc
+# reads that itself).
 def _one_malloc_arena() -> None:
     if "MALLOC_ARENA_MAX" in os.environ:
         return

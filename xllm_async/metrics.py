@@ -109,8 +109,8 @@ class ProcessFigures:
     Python version) from prometheus_client's collectors, under their standard names.
 
     They run only when /metrics is scraped. The per-request metrics above stay hand-written:
-    prometheus_client's updates cost more on the hot path (perf/metrics_cost.py; perf/RESULTS.md,
-    "Metrics cost")."""
+    prometheus_client's updates cost more on the hot path (perf/experiments/metrics_cost.py;
+    perf/RESULTS.md, "Offline, the ceiling and the server's own cost")."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector

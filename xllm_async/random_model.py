@@ -15,8 +15,8 @@ import shutil
 SIZES = {
     # name: (hidden, layers, heads, kv_heads, head_dim, intermediate)
     "tiny": (64, 2, 4, 2, 16, 128),
-    # A forward of about a millisecond here (the LM head is most of it): what a served request costs
-    # beyond the forward shows against it (perf/trace_c1.py).
+    # A forward that is little more than the LM head: what a served request costs beyond the
+    # forward shows against it (perf/trace_c1.py).
     "nano": (8, 1, 1, 1, 8, 16),
     "small": (256, 4, 8, 4, 32, 768),
     # Issue 15's generative-recommendation shape (perf/beams.py): 16 KB of keys and values a token.

@@ -43,7 +43,7 @@ class Service:
         # The loop's thread keeps one intra-op thread for its whole life: a parallel torch
         # operation there (building the item table's masks was one) starts an OpenMP team for it,
         # and from then on every slot's forward runs slower (host_memory.one_intra_op_thread).
-        # Measured: beam-128 rounds 103 -> 64-66 ms served. Slots set their own count.
+        # Slots set their own count.
         torch.set_num_threads(1)
         self.settings = settings
         self._trim = None
@@ -192,9 +192,9 @@ class Service:
             await self.http.start(s.host, s.port)
         except OSError as exc:
             raise ConfigError(f"cannot listen on {s.host}:{s.port}: {exc.strerror}") from None
-        # What exists now (model, tokenizer, modules: ~360k objects) lives as long as
-        # the server. Frozen, the cyclic collector never rescans it: a full
-        # collection would otherwise hold the GIL for ~170 ms, stalling every slot.
+        # What exists now (model, tokenizer, modules: hundreds of thousands of objects) lives as
+        # long as the server. Frozen, the cyclic collector never rescans it: a full collection
+        # would otherwise hold the GIL long enough to stall every slot.
         gc.collect()
         gc.freeze()
         self._trim = heap_trimmer()
@@ -206,8 +206,8 @@ class Service:
                  self.http.port, s.scheduler, len(self.slots), self.runner.device)
 
     def _trim_heap(self) -> None:
-        """Free heap pages back to the system when TrimSchedule says (host_memory.py): a few ms on
-        the loop, while slot threads go on (they wait only to allocate)."""
+        """Free heap pages back to the system when TrimSchedule says (host_memory.py): a short
+        pause of the loop, while slot threads go on (they wait only to allocate)."""
         loop = asyncio.get_running_loop()
         if self._trim_schedule.due(loop.time(), sum(slot.batches_run for slot in self.slots),
                                    bool(self.engine.unfinished)):

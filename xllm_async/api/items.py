@@ -7,9 +7,9 @@ File format, one item per line, `#` comments and blank lines ignored:
 Every item has the same number of tokens. Several items may share one tuple
 (semantic ids collide): a beam that spells it answers with all of them, in file
 order. Item ids are unique. The file is parsed with numpy over its bytes (no
-Python object per line or per item), so a catalogue of 1.5M items loads in a
-few seconds; the trie the engine searches is built from the distinct tuples
-(engine/item_trie.py).
+Python object per line or per item), so a catalogue of millions of items
+loads in seconds (perf/RESULTS.md, "The catalogue at scale"); the trie the
+engine searches is built from the distinct tuples (engine/item_trie.py).
 """
 
 from __future__ import annotations

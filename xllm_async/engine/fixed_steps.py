@@ -89,7 +89,7 @@ class FixedStepsBatcher:
         if self.returns.returning:
             self.returns.arrived(self._loop.time(), len(requests))
         # A free slot with nothing worth waiting for starts the batch right here, not one loop
-        # iteration later in _run: that hop is tens of microseconds on a lone request's latency.
+        # iteration later in _run: that hop would add to a lone request's latency.
         # (While a short batch runs on every core, the slot takes them itself when it ends.)
         if self._wide is None and not self._filling:
             if self._idle and self._join_instead():

