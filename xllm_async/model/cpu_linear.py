@@ -16,22 +16,16 @@ from . import cpu_kernels
 
 
 class PackedWeight:
-    """A [out, in] weight laid out for the CPU linears:
-    - "ours": our linear (csrc/linear.cpp). In bfloat16: on AMX over torch's brgemm micro-kernel, on
-      CPUs with AVX512-BF16 but no AMX over our own vdpbf16ps loop; nothing compiled per row count,
-      no set-up per call: on AMX 1.5-2.4x oneDNN's linear for a decode step's 1-32 rows, on
-      AVX512-BF16 (AMD Zen 5) 1.1-3x for 1-16 rows. From some rows on oneDNN's blocking wins, so a
-      layer keeps oneDNN's packed weight too (`onednn`: a second copy) for more than
-      `ours_max_rows` rows (OUR_MAX_ROWS, per instruction set). The LM head keeps no second copy:
-      its rows are a batch's last tokens or a beam round's beams, and its column blocks (beam
-      search) exist only in our layout (on Zen 5 oneDNN's would be 2-6% faster from 256 rows).
-      In float32: our AVX512 FMA loop for every row count, no second copy (AMD Zen 5: a decode
-      step's 121 SmolLM2 linears 12.5 ms against aten's 35.7, at the bandwidth of a plain sum over
-      the weights; level with oneDNN's from 64 rows, and aten's float32 matmul, MKL's, is 2x
-      slower at every row count on that CPU);
-    - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs with neither: 1.4-2x faster
-      than aten's for a decode step's few rows (3072x576, 1 row 236 -> 163 us), as fast for a
-      prefill's.
+    """A [out, in] weight laid out for the CPU linears (perf/cpu_linear.py measures them):
+    - "ours": our linear (csrc/linear.cpp), nothing compiled per row count, no set-up per call. In
+      bfloat16 on AMX over torch's brgemm micro-kernel, on CPUs with AVX512-BF16 but no AMX over our
+      own vdpbf16ps loop: faster than oneDNN's for a decode step's rows, while from some rows on
+      oneDNN's blocking wins, so a layer keeps oneDNN's packed weight too (`onednn`: a second copy)
+      for more than `ours_max_rows` rows (OUR_MAX_ROWS). The LM head keeps no second copy: its rows
+      are a batch's last tokens or a beam round's beams, and its column blocks (beam search) exist
+      only in our layout. In float32: our AVX512 FMA loop for every row count, no second copy;
+    - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs with neither: faster than aten's
+      for a decode step's few rows, as fast for a prefill's.
     oneDNN compiles a kernel per row count, so rows reach it padded to a few sizes (padded_rows)."""
 
     __slots__ = ("ours", "onednn", "out_features", "ours_max_rows")
@@ -61,17 +55,12 @@ class PackedWeight:
 
 OUR_COLUMNS = 64  # the column block of csrc/linear.cpp's packed weights
 # The most rows our linear takes where a layer also has oneDNN's weight, per instruction set
-# (cpu_kernels.our_linear()). AMX, measured on an Intel Xeon (two threads): ours ahead at 32 rows
-# for every SmolLM2 and 4-layer shape (1.5-2.1x), behind for 576 -> 3,072 at 100 rows (0.9x).
-# AVX512-BF16, measured on AMD Zen 5 (2 vCPU; SmolLM2 and 4-layer shapes, 1 and 2 threads, weights
-# cold and warm): ours ahead through 128 rows on every shape (1-16 rows 1.1-3x, 64 rows 1.0-1.33x,
-# 128 rows 1.0-1.2x), even at 256 (0.97-1.11x), oneDNN 2-8% ahead from 512 rows (0.92-1.03x up to
-# 5,120): both run vdpbf16ps near the cores' peak there, oneDNN with a larger register block. So
-# 256: as fast, and the fewer row counts reach oneDNN, the fewer kernels it compiles as they come.
+# (cpu_kernels.our_linear()): where ours stops being faster (AMX) or stops being as fast (AVX512-BF16,
+# where the fewer row counts reach oneDNN, the fewer kernels it compiles as they come).
 OUR_MAX_ROWS = {"amx": 64, "avx512_bf16": 256}
 
-# The batch size oneDNN's packed layout is tuned for: a large one serves every size (a layout tuned
-# for 1 row made 5,000-row prefills 1.6x slower here; one tuned for 5,000 made decode no slower).
+# The batch size oneDNN's packed layout is tuned for: a large one serves every size (one tuned for
+# 1 row made large prefills much slower; one tuned for 5,000 made decode no slower).
 _PACK_HINT = 4096
 
 
@@ -156,22 +145,19 @@ def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int
     return len(layers) * len(sizes) * len(thread_counts)
 
 
-# oneDNN compiles a kernel for every number of rows it meets, and keeps it in a cache of
-# ONEDNN_PRIMITIVE_CACHE_CAPACITY kernels (1,024) shared by the process. Measured here (bfloat16,
-# 768 x 256, 1,000 rows, one thread): 4.6 ms the first time, 0.56 ms from the cache. Packed prompts
-# and beam rounds come with any number of rows, so nearly every batch paid that for each linear
-# shape, and filled the cache with kernels used once (most of a 10,000-request soak's growth). So
-# rows beyond EXACT_ROWS are padded up to one of 4 sizes a doubling (at most 1/4 more rows, 1/8
-# on average): 36 sizes up to 8,192 rows, each compiled once. Up to EXACT_ROWS (the decode steps
-# of a few clients) rows are exact. A kernel holds ~0.6 MB here whatever its size (4 linears of
-# 64 x 64, 2.4 MB a row count), so every size costs memory, and sizes first met late in a soak
-# are its growth. Our linear has none of this, but the rows beyond OUR_MAX_ROWS still reach
-# oneDNN, and padding a prefill's rows once (CausalLM.forward) saves padding them at every layer;
-# the larger sizes are compiled at start-up (warm_onednn).
+# oneDNN compiles a kernel for every number of rows it meets (several times a cached call's time) and
+# keeps it, in a cache shared by the process (ONEDNN_PRIMITIVE_CACHE_CAPACITY). Packed prompts and
+# beam rounds come with any number of rows, so nearly every batch paid that for each linear shape
+# and left kernels used once (most of a long soak's memory growth). So rows beyond EXACT_ROWS are
+# padded up to one of 4 sizes a doubling (at most 1/4 more rows): 36 sizes up to 8,192 rows, each
+# compiled once, the larger ones at start-up (warm_onednn). Up to EXACT_ROWS (the decode steps of
+# a few clients) rows are exact. Padding a prefill's rows once (CausalLM.forward) saves padding
+# them at every layer.
 EXACT_ROWS = 16
 
 
 def padded_rows(rows: int) -> int:
+    """The rows a batch of `rows` reaches oneDNN with (EXACT_ROWS)."""
     if rows <= EXACT_ROWS:
         return rows
     step = 1 << (rows.bit_length() - 3)
@@ -187,16 +173,11 @@ def rows_padded(x: torch.Tensor) -> torch.Tensor:
 
 # On CPU a prefill's MLP runs over chunks of rows whose gate/up output fits in MLP_CHUNK_BYTES,
 # so that it is still in the core's cache when SiLU x up reads it and the down projection reads
-# that: 16 prompts of 320 tokens made a gate/up output of 16 MB (bfloat16, the 4-layer model) to
-# 31 MB (SmolLM2), written to memory and read back twice, and SiLU x up alone ran 2.3x slower per
-# value at 5,120 rows than at 1,024 (AMD EPYC, 2 cores). In 2 MB chunks a 16 x 320-token forward
-# (perf/RESULTS.md, eighteenth session): bfloat16 4-layer 1.09-1.14x faster, SmolLM2 1.10-1.18x,
-# float32 4-layer 1.25-1.32x; 1 MB and 4 MB gained less. Served, 320 in / 1 out at c32: bfloat16
-# 1.05x, float32 1.33x; 30-608 in: 1.11x and 1.12x. Rows are independent: in float32 the result is
-# the same bit for bit; in bfloat16 a last chunk of at most OUR_MAX_ROWS rows runs on our linear
-# where the whole batch ran on oneDNN's, as a small batch does, so its sums go in another order.
-# Chunks are whole multiples of 256 rows, at most 2,048, so the ones that reach oneDNN have row
-# counts it already has kernels for (padded_rows).
+# that; whole, a large prefill's gate/up output went to memory and was read back twice. Rows are
+# independent: in float32 the result is the same bit for bit; in bfloat16 a last chunk of at most
+# OUR_MAX_ROWS rows runs on our linear where the whole batch ran on oneDNN's, as a small batch
+# does, so its sums go in another order. Chunks are whole multiples of 256 rows, at most 2,048, so
+# the ones that reach oneDNN have row counts it already has kernels for (padded_rows).
 MLP_CHUNK_BYTES = 2 << 20
 CHUNK_ROW_STEP = 256  # chunks are whole multiples of it, and never fewer rows
 

@@ -73,6 +73,9 @@ def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
 
 
 class Attention(nn.Module):
+    """An attention block's weights: project() makes its q, k, v, o projects its output; the
+    attention between them is the forward's context's (DecoderLayer.forward)."""
+
     fused = None  # set by use_fused_kernels: q/k norm and rotary in one kernel each
 
     def __init__(self, shape: ModelShape, layer: int) -> None:
