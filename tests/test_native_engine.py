@@ -595,3 +595,27 @@ def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monke
     shapes = {(m.in_features, m.out_features, m.bias is not None) for m in runner.model.modules()
               if isinstance(m, layers.Linear)}
     assert len(calls) == len(sizes) * 2 * len(shapes) and len({x for _, x, _ in calls}) >= 2
+
+
+def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_head_shape():
+    """Our CPU kernels where they take the dtype and head shape (each kernel on its own), torch's
+    kernels for the rest; on accelerators one masked decode call, on CUDA with varlen flash
+    prefills in bfloat16 and float16."""
+    from xllm_async.model import attention_backends as backends
+    from xllm_async.model import cpu_kernels
+    from xllm_async.runtime.backends import choose_attention
+
+    cpu = torch.device("cpu")
+    if cpu_kernels.verified()["packed attention"] and cpu_kernels.verified()["decode attention"]:
+        smol = choose_attention(cpu, torch.bfloat16, 64, 3)  # SmolLM2's heads: every kernel
+        assert isinstance(smol, backends.CpuKernelAttention)
+        assert None not in (smol.varlen_kernel, smol.decode_kernel, smol.prefix_kernel)
+        tiny = choose_attention(cpu, torch.float32, 16, 2)  # 16 wide: the decode kernel takes 32s
+        assert tiny.varlen_kernel is not None and tiny.prefix_kernel is not None and tiny.decode_kernel is None
+    assert type(choose_attention(cpu, torch.float16, 64, 3)) is backends.SdpaAttention
+    assert choose_attention(cpu, torch.float16, 64, 3).multiple == backends.ATTENTION_MULTIPLE
+    for device in (torch.device("cuda", 0), torch.device("meta")):  # (chosen, not run; meta stands in for an NPU)
+        assert type(choose_attention(device, torch.float32, 64, 3)) is backends.MaskedSdpaAttention
+    flash = choose_attention(torch.device("cuda", 0), torch.bfloat16, 64, 3)
+    wanted = backends.CudaFlashAttention if backends.FlashVarlen().fn is not None else backends.MaskedSdpaAttention
+    assert type(flash) is wanted and flash.multiple == 1
