@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from xllm_async.model import cpu_kernels
+from xllm_async.model.attention_backends import CpuKernelAttention, SdpaAttention
 from xllm_async.model.layers import apply_rotary
 
 from .conftest import require_kernel
@@ -165,7 +166,7 @@ def test_prompt_stage_attention_matches_float32_with_its_log_sum_exp(beams, head
 
 @needs_attention_kernel
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_model_dir, monkeypatch, dtype):
+def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_model_dir, dtype):
     from xllm_async.runtime.model_runner import ModelRunner
 
     from .test_native_engine import run_beams
@@ -174,11 +175,13 @@ def test_beam_rounds_take_the_prompt_stage_kernel_and_find_the_same_beams(tiny_m
     runner.set_kv_cache(64 << 20, 1)
     prompts, widths, rounds = random_prompts(18, [30, 12, 50]), [4, 16, 8], [3, 3, 2]
     calls = []
-    kernel = cpu_kernels.prefix_attention()
-    monkeypatch.setattr(cpu_kernels, "_prefix", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    kernel = runner.attention.prefix_kernel
+    assert kernel is not None  # (the tiny model's heads are 16 wide)
+    runner.attention = CpuKernelAttention(runner.dtype, prefix=lambda *args: calls.append(args[0].shape[0]) or
+                                          kernel(*args))
     ours = run_beams(runner, prompts, widths, rounds)
     assert calls and set(calls) <= set(widths)
-    monkeypatch.setattr(cpu_kernels, "_prefix", None)
+    runner.attention = SdpaAttention(runner.dtype)  # torch's kernels
     theirs = run_beams(runner, prompts, widths, rounds)
     # The same beams found, in whatever order: bfloat16 sums in another order move close scores.
     same = sum(len({tuple(t) for t, _ in x} & {tuple(t) for t, _ in y}) for x, y in zip(ours, theirs))
@@ -300,7 +303,7 @@ def test_kernels_refuse_what_they_do_not_handle():
 
 @needs_attention_kernel
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, monkeypatch, dtype):
+def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, dtype):
     """Prefill with our kernel (into a cache, and as new rows of a cache in use, as the continuous
     scheduler does), then decode: the same tokens as with torch's attention a prompt at a time."""
     from xllm_async.runtime.model_runner import ModelRunner
@@ -320,11 +323,12 @@ def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, mo
         return tokens
 
     calls = []
-    kernel = cpu_kernels.varlen_attention()
-    monkeypatch.setattr(cpu_kernels, "_varlen", lambda *args: calls.append(args[3]) or kernel(*args))
+    kernel = runner.attention.varlen_kernel
+    assert kernel is not None  # (the tiny model's heads are 16 wide)
+    runner.attention = CpuKernelAttention(runner.dtype, varlen=lambda *args: calls.append(args[3]) or kernel(*args))
     ours = greedy()
-    assert [9, 70, 33] in calls and [50, 4] in calls  # (the tiny model's heads are 16 wide)
-    monkeypatch.setattr(cpu_kernels, "_varlen", None)
+    assert [9, 70, 33] in calls and [50, 4] in calls
+    runner.attention = SdpaAttention(runner.dtype)  # torch's kernels
     theirs = greedy()
     if dtype == "float32":  # (sums in another order only)
         assert ours == theirs
@@ -350,7 +354,7 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
     float32 = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
     # float32 takes them where their vector paths exist, and answers as its eager code does
-    assert bool(float32.model.fused) == cpu_kernels.wanted(torch.device("cpu"), torch.float32)
+    assert bool(float32.model.fused) == cpu_kernels.wanted(torch.float32)
     if float32.model.fused:
         with torch.inference_mode():
             a, _ = float32.prefill(prompts)
@@ -364,8 +368,8 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monkeypatch, dtype):
-    """A long prefill's MLP runs over chunks of rows (layers.MLP_CHUNK_BYTES), each row as it would alone."""
-    from xllm_async.model import layers
+    """A long prefill's MLP runs over chunks of rows (cpu_linear.MLP_CHUNK_BYTES), each row as it would alone."""
+    from xllm_async.model import cpu_linear, layers
     from xllm_async.runtime.model_runner import ModelRunner
 
     require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
@@ -373,11 +377,11 @@ def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monk
     assert runner.model.layers[0].mlp.fused
     prompts = random_prompts(51, [200, 250, 233, 200])  # (the tiny model takes 256 positions)
     rows = []
-    fused = layers.GatedMlp._fused
-    monkeypatch.setattr(layers.GatedMlp, "_fused", lambda self, x: rows.append(x.shape[0]) or fused(self, x))
+    fused = layers.GatedMlp.fused_forward
+    monkeypatch.setattr(layers.GatedMlp, "fused_forward", lambda self, x: rows.append(x.shape[0]) or fused(self, x))
 
     def prefill(chunk_bytes: int) -> torch.Tensor:
-        monkeypatch.setattr(layers, "MLP_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(cpu_linear, "MLP_CHUNK_BYTES", chunk_bytes)
         rows.clear()
         with torch.inference_mode():
             return runner.prefill(prompts)[0]

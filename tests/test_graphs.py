@@ -142,11 +142,10 @@ def test_no_graphs_on_a_cpu(runners):
 def test_a_decode_step_as_one_masked_call_equals_a_call_per_length(runners, monkeypatch):
     """The accelerators' decode attention (every row in one call, the keys beyond each row's length
     masked), run here on the CPU against the CPU's calls per run of equal lengths."""
-    from xllm_async.model import attention, cpu_kernels
+    from xllm_async.model.attention_backends import MaskedSdpaAttention, SdpaAttention
 
     plain, _ = runners
     prompts = random_prompts(35, [3, 40, 1, 17, 17])
-    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: None)
 
     def steps():
         logits, kv = plain.prefill(prompts, capacity=50)
@@ -157,7 +156,8 @@ def test_a_decode_step_as_one_masked_call_equals_a_call_per_length(runners, monk
         return out
 
     with torch.inference_mode():
+        monkeypatch.setattr(plain, "attention", SdpaAttention(plain.dtype))  # a call per run of lengths
         expected = steps()
-        monkeypatch.setattr(attention, "_one_masked_call", lambda q: True)
+        monkeypatch.setattr(plain, "attention", MaskedSdpaAttention(plain.dtype))
         for found, wanted in zip(steps(), expected):
             torch.testing.assert_close(found, wanted, **TOLERANCE)

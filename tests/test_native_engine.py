@@ -296,7 +296,8 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
     """Every row count (a block of 32 rows and its tail, groups of 4 rows and their tails, and
     beyond our linear's rows), a last column block part padding, a bias, rows in three dimensions:
     within bfloat16 rounding of the plain layer's float32 product."""
-    from xllm_async.model.layers import OUR_MAX_ROWS, Linear, pack_linears
+    from xllm_async.model.cpu_linear import OUR_MAX_ROWS, pack_linears
+    from xllm_async.model.layers import Linear
 
     _require_packing(kind)
     torch.manual_seed(0)
@@ -317,7 +318,8 @@ def test_our_float32_linear_computes_what_the_plain_one_does(tiny_model_dir):
     of 32 and past it), an odd input width, a last column block part padding, a bias: equal to the
     plain layer within float32 summation order. A float32 model gets it, with no oneDNN copy and
     no padded rows."""
-    from xllm_async.model.layers import Linear, pack_linears
+    from xllm_async.model.cpu_linear import pack_linears
+    from xllm_async.model.layers import Linear
     from xllm_async.runtime.model_runner import ModelRunner
 
     require_kernel("float32 linear")
@@ -406,7 +408,7 @@ def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(t
 
 
 def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
-    from xllm_async.model.layers import EXACT_ROWS, padded_rows
+    from xllm_async.model.cpu_linear import EXACT_ROWS, padded_rows
 
     assert [padded_rows(n) for n in (1, 9, EXACT_ROWS)] == [1, 9, EXACT_ROWS]  # few clients' decode: exact
     sizes = {padded_rows(n) for n in range(1, 8193)}
@@ -421,11 +423,11 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     """oneDNN compiles a kernel per row count: packed prompts (and decode steps of more than
     EXACT_ROWS rows) go through the layers padded, and the padding changes no answer. Our linear
     takes up to its OUR_MAX_ROWS; more go to oneDNN (F.linear on the plain weight)."""
-    from xllm_async.model import cpu_kernels, layers
+    from xllm_async.model import cpu_kernels, cpu_linear
     from xllm_async.runtime import model_runner
 
     _require_packing(kind)
-    monkeypatch.setattr(model_runner, "linear_packing", lambda device, dtype: kind)
+    monkeypatch.setattr(model_runner, "choose_linear", lambda device, dtype: kind)
     runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     runner.set_kv_cache(64 << 20, 1)
     seen: list[int] = []  # the rows of every packed linear call
@@ -454,27 +456,26 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     tokens = sum(map(len, prompts))
     batched = greedy(prompts)
     layer_rows = seen if kind == "onednn" else beyond
-    assert max(layer_rows) > layers.EXACT_ROWS and all(layers.padded_rows(n) == n for n in layer_rows)
-    assert layers.padded_rows(tokens) != tokens and tokens not in layer_rows and 70 not in layer_rows  # padded
+    assert max(layer_rows) > cpu_linear.EXACT_ROWS and all(cpu_linear.padded_rows(n) == n for n in layer_rows)
+    assert cpu_linear.padded_rows(tokens) != tokens and tokens not in layer_rows and 70 not in layer_rows  # padded
     assert batched == [greedy([p])[0] for p in prompts]
     if kind == "ours":  # a prompt alone (3-9 rows) on ours, more rows than ours takes on oneDNN's; the
         # LM head (no second copy) takes the batch's 70 last rows on ours, as they are, whatever ours takes
-        most = layers.OUR_MAX_ROWS[cpu_kernels.our_linear()]
+        most = cpu_linear.OUR_MAX_ROWS[cpu_kernels.our_linear()]
         assert beyond and min(beyond) > most and 70 in seen and {n for n in seen if n > most} <= {70}
 
 
 def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeypatch):
     """torch's fused CPU attention compiles a kernel per odd length in bfloat16 and keeps it for
-    good (attention.ATTENTION_MULTIPLE): prompts and beam rounds reach it padded, causal prompts
+    good (attention_backends.ATTENTION_MULTIPLE): prompts and beam rounds reach it padded, causal prompts
     with tokens after their own and beams' prompt keys with the padding masked out, and the real
     rows come out as unpadded attention computes them."""
     import torch.nn.functional as F
 
-    from xllm_async.model import attention, cpu_kernels
+    from xllm_async.model import attention, attention_backends
 
-    monkeypatch.setattr(cpu_kernels, "_varlen", None)  # torch's kernel, as on CPUs without AVX512-BF16
     spans: list[tuple[int, int]] = []  # (queries, keys) of every kernel call
-    sdpa, flash = F.scaled_dot_product_attention, attention._FLASH_CPU
+    sdpa, flash = F.scaled_dot_product_attention, attention_backends.FLASH_CPU
     if flash is None:
         pytest.skip("no fused CPU attention operator in this torch build")
 
@@ -486,8 +487,9 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
         spans.append((q.shape[-2], k.shape[-2]))
         return flash(q, k, v, *args, **kw)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy_sdpa)
-    monkeypatch.setattr(attention, "_FLASH_CPU", spy_flash)
+    monkeypatch.setattr(attention_backends.F, "scaled_dot_product_attention", spy_sdpa)
+    # torch's kernels, as on CPUs without AVX512-BF16
+    torch_kernels = attention_backends.SdpaAttention(torch.bfloat16, flash=spy_flash)
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim = 4, 2, 16
     lengths = [5, 23, 23, 40]
@@ -497,8 +499,8 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
         return torch.randn(*shape, generator=gen).bfloat16()
 
     q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
-    out = attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
-    assert spans and all(n % attention.ATTENTION_MULTIPLE == 0 for call in spans for n in call)
+    out = attention.PackedPrefill(torch_kernels, lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
+    assert spans and all(n % attention_backends.ATTENTION_MULTIPLE == 0 for call in spans for n in call)
     start = 0
     for n in lengths:  # each sequence against float32 attention of its own tokens
         qs, ks, vs = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
@@ -508,7 +510,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
 
     spans.clear()  # a beam round's prompt stage: 6 beams x 2 queries against 37 prompt keys
     qb, kb, vb = randn(1, kv_heads, 12, dim), randn(1, kv_heads, 37, dim), randn(1, kv_heads, 37, dim)
-    out, lse = attention._attend(qb, kb, vb, dim ** -0.5)
+    out, lse = torch_kernels.attend(qb, kb, vb, dim ** -0.5)
     assert spans == [(16, 48)] and out.shape == (1, kv_heads, 12, dim) and lse.shape == (1, kv_heads, 12, 1)
     ref = sdpa(qb.float(), kb.float(), vb.float(), scale=dim ** -0.5)
     assert torch.allclose(out.float(), ref, atol=2e-2)
@@ -516,7 +518,9 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
     assert torch.allclose(lse.float(), scores.logsumexp(-1, keepdim=True), atol=2e-2)
 
     spans.clear()  # float32 takes the kernel's other path: exact lengths
-    attention.PackedPrefill(lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(), dim ** -0.5)
+    float32 = attention_backends.SdpaAttention(torch.float32, flash=spy_flash)
+    attention.PackedPrefill(float32, lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(),
+                                                                          dim ** -0.5)
     assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
 
 
@@ -534,7 +538,7 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
     it off for good, with one warning, and the packed prompts' SDPA calls answer instead. Once,
     any failure turned it off for the whole process. (torch's function replaced by a stand-in:
     it runs only on CUDA.)"""
-    from xllm_async.model import attention, cpu_kernels
+    from xllm_async.model import attention, attention_backends
 
     failures = iter([torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                      RuntimeError("CUDA error: an illegal memory access was encountered"), refusal])
@@ -547,15 +551,14 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
             raise failure
         return torch.zeros_like(q)
 
-    flash = attention._FlashVarlen()
+    flash = attention_backends.FlashVarlen()
     flash.fn, flash.extra, flash.gqa, flash.scale = stand_in, {}, True, True
-    flash.usable = lambda q: flash.fn is not None  # (a CPU tensor stands in for a CUDA one)
-    monkeypatch.setattr(attention, "_VARLEN", flash)
-    monkeypatch.setattr(cpu_kernels, "_varlen", None)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(11, 2, 16, generator=gen) for _ in range(3))
-    prefill = attention.PackedPrefill([5, 6], torch.device("cpu"))
-    prefill.cu_lengths = torch.tensor([0, 5, 11], dtype=torch.int32)
+    # (CPU tensors stand in for CUDA ones)
+    prefill = attention.PackedPrefill(attention_backends.CudaFlashAttention(torch.float32, flash), [5, 6],
+                                      torch.device("cpu"))
+    assert prefill.cu_lengths.tolist() == [0, 5, 11]
     with pytest.raises(torch.OutOfMemoryError):
         prefill.attend(0, q, k, v, 0.25)
     with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -566,14 +569,14 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
     assert flash.fn is None and caplog.text.count("varlen flash attention unusable") == 1
     assert len(calls) == 3 and out.abs().sum() > 0  # SDPA's answer, not the stand-in's zeros
     assert torch.equal(prefill.attend(0, q, k, v, 0.25), out) and len(calls) == 3  # off for good
-    assert not attention.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
+    assert not attention_backends.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
 
 
 def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monkeypatch):
     """Start-up runs oneDNN's linear once at each padded row count from WARM_FROM up to the
     batch's most tokens, for every layer shape and slot thread count, so that no kernel of a large
     batch is first compiled under traffic; the caller's thread count is left as it was."""
-    from xllm_async.model import layers
+    from xllm_async.model import cpu_linear, layers
     from xllm_async.runtime.model_runner import ModelRunner
 
     if not _packings():
@@ -586,9 +589,33 @@ def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monke
     before = torch.get_num_threads()
     runner.warm_up(2000, {1, 2})
     assert torch.get_num_threads() == before
-    sizes = sorted({layers.padded_rows(n) for n in range(layers.WARM_FROM + 1, 2001)})
-    assert sizes[0] > layers.WARM_FROM and sizes[-1] >= 2000
+    sizes = sorted({cpu_linear.padded_rows(n) for n in range(cpu_linear.WARM_FROM + 1, 2001)})
+    assert sizes[0] > cpu_linear.WARM_FROM and sizes[-1] >= 2000
     assert {(rows, threads) for rows, _, threads in calls} == {(s, t) for s in sizes for t in (1, 2)}
     shapes = {(m.in_features, m.out_features, m.bias is not None) for m in runner.model.modules()
               if isinstance(m, layers.Linear)}
     assert len(calls) == len(sizes) * 2 * len(shapes) and len({x for _, x, _ in calls}) >= 2
+
+
+def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_head_shape():
+    """Our CPU kernels where they take the dtype and head shape (each kernel on its own), torch's
+    kernels for the rest; on accelerators one masked decode call, on CUDA with varlen flash
+    prefills in bfloat16 and float16."""
+    from xllm_async.model import attention_backends as backends
+    from xllm_async.model import cpu_kernels
+    from xllm_async.runtime.backends import choose_attention
+
+    cpu = torch.device("cpu")
+    if cpu_kernels.verified()["packed attention"] and cpu_kernels.verified()["decode attention"]:
+        smol = choose_attention(cpu, torch.bfloat16, 64, 3)  # SmolLM2's heads: every kernel
+        assert isinstance(smol, backends.CpuKernelAttention)
+        assert None not in (smol.varlen_kernel, smol.decode_kernel, smol.prefix_kernel)
+        tiny = choose_attention(cpu, torch.float32, 16, 2)  # 16 wide: the decode kernel takes 32s
+        assert tiny.varlen_kernel is not None and tiny.prefix_kernel is not None and tiny.decode_kernel is None
+    assert type(choose_attention(cpu, torch.float16, 64, 3)) is backends.SdpaAttention
+    assert choose_attention(cpu, torch.float16, 64, 3).multiple == backends.ATTENTION_MULTIPLE
+    for device in (torch.device("cuda", 0), torch.device("meta")):  # (chosen, not run; meta stands in for an NPU)
+        assert type(choose_attention(device, torch.float32, 64, 3)) is backends.MaskedSdpaAttention
+    flash = choose_attention(torch.device("cuda", 0), torch.bfloat16, 64, 3)
+    wanted = backends.CudaFlashAttention if backends.FlashVarlen().fn is not None else backends.MaskedSdpaAttention
+    assert type(flash) is wanted and flash.multiple == 1

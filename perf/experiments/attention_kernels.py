@@ -1,5 +1,5 @@
 """torch's fused CPU attention by prompt length: what memory it keeps and how long it takes, with
-lengths as they come against lengths rounded up to a multiple (model/attention.py pads them).
+lengths as they come against lengths rounded up to a multiple (model/attention_backends.py pads them).
 
     .venv/bin/python perf/experiments/attention_kernels.py                       # bfloat16, one thread
     .venv/bin/python perf/experiments/attention_kernels.py --dtype float32

@@ -8,7 +8,7 @@ meets: a packed prefill of 16 prompts, a 128-beam round's prompt stage, a block 
 
 torch's side: scaled_dot_product_attention (its fused CPU kernel) in one call for equal lengths,
 a call per prompt (each padded to a multiple of 16, as attention.py did) for mixed ones; the
-prompt stage through attention._attend; torch.topk and torch.logsumexp. Each figure is the best
+prompt stage through attention_backends.SdpaAttention.attend; torch.topk and torch.logsumexp. Each figure is the best
 of --repeats medians of --runs calls, in milliseconds.
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from cli import cpu_model
 
 import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
-from xllm_async.model import attention, cpu_kernels
+from xllm_async.model import attention_backends, cpu_kernels
 
 
 def best_ms(fn, runs: int, repeats: int) -> float:
@@ -44,8 +44,9 @@ def best_ms(fn, runs: int, repeats: int) -> float:
 
 def torch_per_prompt(q, k, v, lengths):
     outs, start = [], 0
+    torch_kernels = attention_backends.SdpaAttention(q.dtype)
     for n in lengths:
-        span = attention._padded_span(n, q)  # (bfloat16: a multiple of 16, as attention.py pads for torch's kernel)
+        span = torch_kernels.span(n)  # (bfloat16: a multiple of 16, as SdpaAttention pads for torch's kernel)
         qs, ks, vs = (F.pad(x[None, start:start + n].transpose(1, 2), (0, 0, 0, span - n)) for x in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # (4-d: the fused kernel)
         outs.append(out[0, :, :n].transpose(0, 1))
@@ -88,7 +89,8 @@ def main() -> None:
     q = torch.randn(beams, heads, dim).to(args.dtype)
     k, v = (torch.randn(kv_heads, length, dim).to(args.dtype) for _ in range(2))
     qg = q.view(beams, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
-    theirs = best_ms(lambda: attention._attend(qg, k[None], v[None], dim ** -0.5), args.runs, args.repeats)
+    torch_kernels = attention_backends.SdpaAttention(args.dtype)
+    theirs = best_ms(lambda: torch_kernels.attend(qg, k[None], v[None], dim ** -0.5), args.runs, args.repeats)
     ours = best_ms(lambda: torch.ops.xllm.prefix_attention(q, k, v, dim ** -0.5), args.runs, args.repeats)
     print(f"| beam round's prompt stage: {beams} beams x {heads} heads of {dim}, {length} keys "
           f"| {theirs:.2f} | {ours:.2f} |")

@@ -28,7 +28,7 @@ from cli import cpu_model, positive_ints
 
 import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
 from xllm_async.model import cpu_kernels
-from xllm_async.model.layers import _PACK_HINT
+from xllm_async.model.cpu_linear import _PACK_HINT
 
 SHAPES = "576x960,576x576,576x3072,1536x576,576x49152,256x1536,256x768,768x256"  # in x out
 COLD_BYTES = 100 << 20

@@ -288,11 +288,9 @@ class BeamSearchBatch:
         A row's ranking by log-probability is its ranking by logit (log_softmax only subtracts
         the row's log-sum-exp), so no log_softmax of the whole rows x vocabulary is made. Without
         a table the vocabulary is walked in blocks of LOGITS_BLOCK_COLUMNS: each block's logits
-        give each span's top k and every row's log-sum-exp (in float32), then are dropped. A
-        beam-256 round of a 151,669-token vocabulary thus holds 8 MB of bfloat16 logits at a
-        time (and their float32 copy), not 78 MB and as much again for a log_softmax, and the LM
-        head's weight is still read once. The blocks' bounds do not depend on the batch, so
-        neither do a beam's scores (bfloat16 ties and roundings included)."""
+        give each span's top k and every row's log-sum-exp (in float32), then are dropped, so a
+        round holds one block's logits at a time and the LM head's weight is still read once.
+        The blocks' bounds do not depend on the batch, so neither do a beam's scores."""
         vocab_size = self.runner.vocab_size
         block = max(LOGITS_BLOCK_COLUMNS, max(k for _, _, k in spans))
         tops: list[list] = [[] for _ in spans]
@@ -301,9 +299,8 @@ class BeamSearchBatch:
         for start in range(0, vocab_size, block):
             end = min(vocab_size, start + block)
             logits = self.runner.logits(hidden, as_float=False, columns=(start, end))
-            if fused is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
-                # Top k and log-sum-exp in two passes of our kernel (csrc/beam_topk.cpp), not
-                # torch.topk and five passes for the log-sum-exp: the rows of a span at a time.
+            if fused is not None:  # (the runner's where it takes these logits: engine/runner.py)
+                # Top k and log-sum-exp in two passes of our kernel (csrc/beam_topk.cpp), a span's rows at a time.
                 lses = []
                 for found, (first, last, k) in zip(tops, spans):
                     top, column, lse = fused(logits[first:last], min(k, end - start))
@@ -327,10 +324,7 @@ class BeamSearchBatch:
         return out
 
     def _finish_done(self) -> list:
-        items = []
-        for g in self.groups:
-            if g.round >= g.request.rounds:
-                items.append((g.request, self._result(g)))
+        items = [(g.request, self._result(g)) for g in self.groups if g.round >= g.request.rounds]
         if items:
             self._keep([g for g in self.groups if g.round < g.request.rounds])
         return items

@@ -242,29 +242,30 @@ def our_float32_linear() -> bool:
 
 def varlen_attention():
     """Our packed causal attention (csrc/varlen_attention.cpp) once the library is loaded, or None."""
-    return _varlen
+    return _varlen if _loaded else None
 
 
 def topk_logsumexp():
     """A logits block's top k and log-sum-exp in two passes (csrc/beam_topk.cpp) once loaded, or None."""
-    return _topk
+    return _topk if _loaded else None
 
 
 def decode_attention():
     """A decode step's attention, every row in one call, bfloat16 or float32 (csrc/decode_attention.cpp), or None."""
-    return _decode
+    return _decode if _loaded else None
 
 
 def prefix_attention():
     """Our beam-round prompt-stage attention (csrc/varlen_attention.cpp) once loaded, or None."""
-    return _prefix
+    return _prefix if _loaded else None
 
 
-def wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """bfloat16 on CPU wherever the library loaded; float32 where its vector paths take float32
-    too (CPUs with AVX512-BF16). The tests compare float32 with transformers token for token: a
-    fused norm sums its squares in another order, nothing else differs."""
-    if device.type != "cpu" or not available():
+def wanted(dtype: torch.dtype) -> bool:
+    """Whether the elementwise kernels serve a CPU model in this dtype: bfloat16 wherever the
+    library loaded; float32 where its vector paths take float32 too (CPUs with AVX512-BF16). The
+    tests compare float32 with transformers token for token: a fused norm sums its squares in
+    another order, nothing else differs."""
+    if not available():
         return False
     return dtype == torch.bfloat16 or (dtype == torch.float32 and _float32_fused)
 

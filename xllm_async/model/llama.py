@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMlp, Linear, PackedWeight, RMSNorm, RotaryEmbedding, apply_rotary, packed_linear, rows_padded
+from .cpu_linear import PackedWeight, packed_linear, rows_padded
+from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -62,6 +63,9 @@ def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
 
 
 class Attention(nn.Module):
+    """An attention block's weights: project() makes its q, k, v, o projects its output; the
+    attention between them is the forward's context's (DecoderLayer.forward)."""
+
     fused = None  # set by use_fused_kernels: q/k norm and rotary in one kernel each
 
     def __init__(self, shape: ModelShape, layer: int) -> None:
@@ -93,14 +97,6 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        rows = cos.shape[0]
-        out = ctx.attend(self.layer, q, k, v, self.scale)
-        if x.shape[0] > rows and not getattr(ctx, "last_only", False):
-            out = F.pad(out, (0, 0, 0, x.shape[0] - rows))  # the padding rows again, as zeros
-        return self.o(out)
-
 
 class DecoderLayer(nn.Module):
     fused = None  # set by use_fused_kernels: the residual add and the norm after it in one pass
@@ -112,22 +108,34 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(shape.hidden, shape.eps)
         self.mlp = GatedMlp(shape.hidden, shape.intermediate, shape.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, keep=None) -> torch.Tensor:
-        attn = self.attn(self.input_norm(x), cos, sin, ctx)
-        if keep is not None:  # the last layer of a prefill: only the rows that need logits go on
-            x = x[keep]
-            if not ctx.last_only:  # scoring: attention ran for every row, the kept ones go on
-                attn = attn[keep]
-        return self.add_mlp(x, attn)
+    def to_attention(self, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's first half: its input rows -> q, k, v (Attention.project)."""
+        return self.attn.project(self.input_norm(x), cos, sin)
 
-    def add_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The layer after attention: the residual add, the norm, the MLP and its residual add."""
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: its input rows and their attention [rows, heads * dim] -> its
+        output rows (the o projection, the residual add, the norm, the MLP and its residual add)."""
+        attn = self.attn.o(attn)
         if self.fused:
             x, normed = self.fused.add_rms_norm(attn, x, self.post_attention_norm.weight,
-                                                    self.post_attention_norm.eps)
+                                                self.post_attention_norm.eps)
             return x + self.mlp(normed)
         x = x + attn
         return x + self.mlp(self.post_attention_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, keep=None) -> torch.Tensor:
+        """Both halves around the context's attention (the graph pieces run them apart:
+        runtime/graphs.py). keep: on the last layer of a prefill, the rows that need logits."""
+        q, k, v = self.to_attention(x, cos, sin)
+        attn = ctx.attend(self.attn.layer, q, k, v, self.attn.scale)
+        if keep is not None:  # only the rows that need logits go on
+            x = x[keep]
+            if not ctx.last_only:  # scoring: attention ran for every row, the kept ones go on
+                attn = attn[keep]
+        elif attn.shape[0] < x.shape[0]:  # x's padding rows (CausalLM.pad_rows) again, as zeros
+            attn = F.pad(attn, (0, 0, 0, x.shape[0] - attn.shape[0]))
+        return self.after_attention(x, attn)
 
 
 class CausalLM(nn.Module):
@@ -141,7 +149,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(shape.hidden, shape.eps)
         self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta, shape.rope_scaling)
         self.lm_head = self.embed.weight if shape.tied else nn.Parameter(torch.empty(shape.vocab, shape.hidden))
-        # The LM head laid out for the packed linear too (layers.pack_linears), for logits over the
+        # The LM head laid out for the packed linear too (cpu_linear.pack_linears), for logits over the
         # vocabulary or a block of its columns; a copy, since subsets of rows (item tables) and the
         # tied embedding read the plain one.
         self.packed_lm_head: PackedWeight | None = None
@@ -153,7 +161,7 @@ class CausalLM(nn.Module):
         called after every layer (the engine's CPU core rule takes or gives back cores there)."""
         rows = tokens.shape[0]
         if self.pad_rows:
-            # oneDNN compiles a kernel per number of rows (layers.padded_rows): the rows go through
+            # oneDNN compiles a kernel per number of rows (cpu_linear.padded_rows): the rows go through
             # the layers padded to one of a few sizes, and only attention sees the real ones.
             tokens = rows_padded(tokens)
         x = self.embed(tokens)
@@ -194,12 +202,15 @@ class CausalLM(nn.Module):
         return logits.float() if as_float else logits
 
 
-def use_fused_kernels(model: nn.Module, ops=None) -> None:
+def use_fused_kernels(model: nn.Module, ops=None, chunk_mlp: bool = False) -> None:
     """Switch the elementwise steps to fused kernels: every norm, q/k norm + rotary, residual add +
     norm, SiLU x up. ops: their namespace, our CPU kernels' (torch.ops.xllm, the default:
     cpu_kernels.py, bfloat16 or float32) or our GPU kernels' (gpu_kernels.OPS); the caller checks
-    that they loaded and take the model's dtype."""
+    that they loaded and take the model's dtype. chunk_mlp: a prefill's MLP in chunks of rows
+    (cpu_linear.in_chunks: for a CPU core's cache)."""
     ops = ops if ops is not None else torch.ops.xllm
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMlp, CausalLM)):
             module.fused = ops
+        if isinstance(module, GatedMlp):
+            module.chunked = chunk_mlp

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from .device import fast_cpu_dtype
+from .backends import preferred_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """auto: on CPU the fastest the CPU has (device.fast_cpu_dtype), elsewhere the checkpoint's own."""
+    """auto: the device's preferred dtype where it has one (on CPU the fastest the CPU has),
+    elsewhere the checkpoint's own."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cpu":
-        return fast_cpu_dtype()
+    preferred = preferred_dtype(device)
+    if preferred is not None:
+        return preferred
     own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return DTYPES.get(str(own).removeprefix("torch."), torch.float32)
 

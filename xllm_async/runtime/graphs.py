@@ -8,8 +8,11 @@ runs: packed prefills of any lengths with or without a cache, decode steps over 
 shape, beam rounds. The pieces of a model of L layers:
 
     piece 0      the embedding, the rotary tables, layer 0 up to its q, k, v
-    piece i      layer i-1 after attention (o projection, residual, MLP), layer i up to its q, k, v
+    piece i      layer i-1 after attention, layer i up to its q, k, v
     piece L      layer L-1 after attention, the final norm
+
+(a layer's two halves: llama.DecoderLayer.to_attention and after_attention, which the eager
+forward runs too)
 
 Each piece reads and writes static buffers (the rows, q, k, v, the attention output, the
 rotary tables); a forward of n rows runs the pieces of the smallest bucket of at least n rows,
@@ -112,8 +115,7 @@ class PiecewiseGraphs:
 
         def to_attention(layer: int, x: torch.Tensor) -> None:
             rows.copy_(x)
-            mine = layers[layer]
-            qn, kn, vn = mine.attn.project(mine.input_norm(x), cos, sin)
+            qn, kn, vn = layers[layer].to_attention(x, cos, sin)
             q.copy_(qn)
             k.copy_(kn)
             v.copy_(vn)
@@ -126,8 +128,7 @@ class PiecewiseGraphs:
             to_attention(0, x)
 
         def after(layer: int) -> torch.Tensor:
-            done = layers[layer]
-            return done.add_mlp(rows, done.attn.o(attn))
+            return layers[layer].after_attention(rows, attn)
 
         def middle() -> None:
             to_attention(index, after(index - 1))

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..model.scoring import score_prompt
+from .backends import on_host
 from .checkpoint import eos_ids, resolve_dtype
 from .device import default_kv_cache_bytes
 from .host_memory import pack_weights
@@ -97,7 +98,7 @@ class TransformersRunner:
         log.info("moving weights to %s", device)
         self.model = model.to(device).eval()
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
-        self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
+        self._weights_block = pack_weights(self.model) if on_host(device) else None
         self.device = device
         self.dtype = self.model.dtype
         self.config = config

@@ -21,13 +21,14 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..model import cpu_kernels, gpu_kernels
+from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
+from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
-from ..model.layers import WARM_FROM, linear_packing, pack_linears, warm_onednn
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
 from ..model.scoring import score_prompt
+from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, on_host
 from .checkpoint import eos_ids, resolve_dtype
 from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
@@ -61,19 +62,21 @@ class ModelRunner:
         log.info("loading weights from %s (%s)", model_dir, self.dtype)
         with one_intra_op_thread():
             self.model = load_model(model_dir, self.config, device, self.dtype)
-            packing = linear_packing(device, self.dtype)
+            packing = choose_linear(device, self.dtype)
             if packing is not None:
                 log.info("%d linear layers packed for %s", pack_linears(self.model, packing),
                          linear_name(packing, self.dtype))
-            if cpu_kernels.wanted(device, self.dtype):
-                use_fused_kernels(self.model)
-                log.info("norms, rotary and SiLU on our fused %s CPU kernels", str(self.dtype).removeprefix("torch."))
-            elif gpu_kernels.wanted(device, self.dtype):
-                use_fused_kernels(self.model, gpu_kernels.OPS)
-                log.info("norms, rotary and SiLU on our fused Triton kernels")
+            fused = choose_fused(device, self.dtype)
+            if fused is not None:
+                ops, chunk_mlp, name = fused
+                use_fused_kernels(self.model, ops, chunk_mlp)
+                log.info("norms, rotary and SiLU on %s", name)
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
-        self._weights_block = pack_weights(self.model) if device.type == "cpu" else None
+        self._weights_block = pack_weights(self.model) if on_host(device) else None
         shape = self.model.shape
+        # What computes attention, chosen once (attention_backends.py); a test may set another.
+        self.attention = choose_attention(device, self.dtype, shape.head_dim, shape.heads // shape.kv_heads)
+        self._beam_topk = choose_beam_topk(device, self.dtype)
         self.vocab_size = shape.vocab
         self.max_model_len = int(shape.max_positions or 2048)
         generation = _generation_config(model_dir)
@@ -87,7 +90,7 @@ class ModelRunner:
 
     def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
         """Compile ahead what a forward of up to max_rows tokens would compile on first meeting it
-        (layers.warm_onednn): nothing unless oneDNN's linear runs here."""
+        (cpu_linear.warm_onednn): nothing unless oneDNN's linear runs here."""
         started = time.monotonic()
         compiled: list[int] = []
         # On a thread of its own: parallel work on the event loop's thread starts an OpenMP team for
@@ -183,14 +186,14 @@ class ModelRunner:
             if cache is None:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
-        ctx = PackedPrefill(lengths, self.device, cache, first, whole)
+        ctx = PackedPrefill(self.attention, lengths, self.device, cache, first, whole)
         return self._forward(list(itertools.chain.from_iterable(prompts)), ctx, between_layers), cache, ctx
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
                ) -> torch.Tensor:
         """Feed one token per row; return the next logits [rows, vocab]."""
         kv.ensure_room()
-        hidden = self._forward(tokens, Decode(kv), between_layers)
+        hidden = self._forward(tokens, Decode(self.attention, kv), between_layers)
         kv.step()
         return self.model.logits(hidden)
 
@@ -211,8 +214,8 @@ class ModelRunner:
             cache.add_rows(lengths, max(lengths))
             # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
             own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), PackedPrefill(lengths, self.device, cache),
-                               between_layers)
+        ctx = PackedPrefill(self.attention, lengths, self.device, cache)
+        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), ctx, between_layers)
         return hidden, BeamState(cache, lengths, own)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
@@ -220,7 +223,8 @@ class ModelRunner:
         """One round: every live beam's last token in; final hidden states [beams, hidden] out.
         parents[i]: the row of the last round that beam i continues; widths: live beams per request."""
         state.follow(parents, widths)
-        ctx = BeamDecode(state.prompts, state.lengths, state.starts, state.own, state.step, self.device)
+        ctx = BeamDecode(self.attention, state.prompts, state.lengths, state.starts, state.own, state.step,
+                         self.device)
         # (from graphs: a view, valid until this thread's next forward)
         hidden = self._forward(tokens, ctx, between_layers)
         state.step += 1
@@ -233,9 +237,7 @@ class ModelRunner:
 
     def topk_logsumexp(self):
         """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (engine/runner.py)."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            return None
-        return cpu_kernels.topk_logsumexp()
+        return self._beam_topk
 
 
 class BeamState:

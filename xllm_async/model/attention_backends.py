@@ -1,0 +1,290 @@
+"""How attention is computed, one object per way, chosen once when the model loads
+(runtime/backends.py choose_attention), as vLLM's attention backends are. Every backend
+answers the three questions a forward's context (attention.py) asks of it:
+
+- prefill(ctx, layer, q, k, v, scale): causal attention of packed prompts (their keys are
+  already in the cache, where they have one);
+- decode(ctx, q, keys, values, scale): a decode step's rows against their cache slabs;
+- beam_prompt(q, keys, values, own_out, own_lse, scale): one request's beams against its
+  prompt, merged with their attention over their own tokens (BeamDecode).
+
+SdpaAttention: torch's kernels on a CPU. CpuKernelAttention: ours (csrc/), where they take
+the dtype and the head shape, torch's for the rest. MaskedSdpaAttention: accelerators, every
+decode row in one masked call. CudaFlashAttention: that, with packed prompts in one call of
+torch's varlen flash attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+
+import torch
+import torch.nn.functional as F
+
+# The fused CPU attention kernel behind scaled_dot_product_attention, called directly for the
+# log-sum-exp it also returns (None where this torch has no such operator).
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+# In bfloat16 (and float16) torch's fused CPU attention runs on oneDNN micro-kernels that it
+# compiles for each shape of block it meets, a block's rows and keys being what is left of a
+# sequence after whole blocks, and keeps for good, in every thread. Prompts of any length met
+# new shapes without end (a thread grew by 190 MB over 1,800 prefills of 30-2,000 tokens), and
+# odd lengths ran slower too. So there, sequences reach the kernel in multiples of
+# ATTENTION_MULTIPLE tokens. Float32 takes another path, and neither grows nor gains.
+ATTENTION_MULTIPLE = 16
+
+
+def _pad_tokens(x: torch.Tensor, to: int) -> torch.Tensor:
+    """[..., tokens, dim] with zero tokens after the real ones, up to `to`."""
+    return x if x.shape[-2] == to else F.pad(x, (0, 0, 0, to - x.shape[-2]))
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Two partial attentions over disjoint keys -> attention over all of them."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * (lse_a - lse).exp() + out_b * (lse_b - lse).exp()
+
+
+def _attend_plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T) v and each query's log-sum-exp, in plain operations."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).float()
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = (scores - peak).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    out = (torch.matmul(weights.to(values.dtype), values) / total).to(values.dtype)
+    return out, peak + total.log()
+
+
+class SdpaAttention:
+    """torch's attention on a CPU: a packed prefill in a call per run of equal lengths, a decode
+    step in a call per run of rows of equal length (never one masked call over the longest row:
+    that kernel blocks its keys by their number, so a row's sums, and in bfloat16 its greedy
+    tokens, would depend on the rows beside it)."""
+
+    needs_cu_lengths = False  # (PackedPrefill's sequence starts on the device: the flash kernel's)
+
+    def __init__(self, dtype: torch.dtype, flash=FLASH_CPU) -> None:
+        self.multiple = 1 if dtype == torch.float32 else ATTENTION_MULTIPLE
+        self.flash = flash  # the fused CPU kernel that returns the log-sum-exp (None: plain operations)
+
+    def span(self, n: int) -> int:
+        """How many tokens a sequence of n reaches torch's kernel with (ATTENTION_MULTIPLE)."""
+        return -(-n // self.multiple) * self.multiple
+
+    def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k.shape[1]
+        outs = []
+        row = ctx.first_row
+        for start, count, length in ctx.groups:
+            end = start + count * length
+            if ctx.cache is not None:  # (attended where they were just stored)
+                kg = ctx.cache.keys(layer)[row:row + count, :, :length]
+                vg = ctx.cache.values(layer)[row:row + count, :, :length]
+            else:
+                kg = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+                vg = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+            qg = q[start:end].view(count, length, heads, dim)
+            if ctx.last_only:  # (one query a sequence: a shape the kernel does not compile for)
+                out = F.scaled_dot_product_attention(qg[:, -1:].transpose(1, 2), kg, vg, scale=scale,
+                                                     enable_gqa=True)
+            else:
+                # Causal, so padding tokens after a sequence (ATTENTION_MULTIPLE) change none of its rows.
+                span = self.span(length)
+                out = F.scaled_dot_product_attention(_pad_tokens(qg.transpose(1, 2), span), _pad_tokens(kg, span),
+                                                     _pad_tokens(vg, span), is_causal=True, scale=scale,
+                                                     enable_gqa=True)[:, :, :length]
+            outs.append(out.transpose(1, 2).reshape(-1, heads * dim))
+            row += count
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def decode(self, ctx, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        # Grouped-query attention without repeating keys: the heads sharing a key head are one
+        # matrix of queries against it, through torch's fused kernel (not matmul-softmax-matmul).
+        rows, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        qg = q.view(rows, kv_heads, heads // kv_heads, dim)
+        outs = [F.scaled_dot_product_attention(qg[first:first + count], keys[first:first + count, :, :span],
+                                               values[first:first + count, :, :span], scale=scale)
+                for first, count, span in ctx.length_runs()]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(rows, heads * dim)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [batch, heads, queries, dim] against keys/values [batch, heads, keys, dim] ->
+        softmax(q k^T) v, and each query's log-sum-exp [batch, heads, queries, 1] (float32, for
+        merging): through the fused kernel, which returns the log-sum-exp too and never holds the
+        scores (perf/cpu_attention.py compares it with plain operations)."""
+        if self.flash is None or not q.numel():  # (it faults on no queries)
+            return _attend_plain(q, keys, values, scale)
+        queries, span = q.shape[-2], keys.shape[-2]
+        rows, padded = self.span(queries), self.span(span)
+        mask = None
+        if padded != span:  # the padding keys masked out (ATTENTION_MULTIPLE)
+            keys, values = _pad_tokens(keys, padded), _pad_tokens(values, padded)
+            mask = torch.zeros(1, 1, 1, padded, dtype=q.dtype, device=q.device)
+            mask[..., span:] = float("-inf")
+        out, lse = self.flash(_pad_tokens(q, rows), keys, values, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        return out[..., :queries, :], lse[..., :queries, None]
+
+    def beam_prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_out: torch.Tensor,
+                    own_lse: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [beams, heads, dim] of one request against its prompt's keys/values [kv_heads,
+        prompt, dim], merged with own_out/own_lse [beams, kv_heads, group, ...] (their attention
+        over their own tokens) -> [beams, kv_heads, group, dim]. All beams in one product:
+        [kv_heads, beams x group, dim] against [kv_heads, prompt, dim]."""
+        width, _, dim = q.shape
+        kv_heads, group = own_out.shape[1], own_out.shape[2]
+        qr = q.view(width, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, width * group, dim)
+        out, lse = self.attend(qr, keys[None], values[None], scale)
+        own = own_out.permute(1, 0, 2, 3).reshape(kv_heads, width * group, dim)
+        merged = _merge(out[0], lse[0], own, own_lse.permute(1, 0, 2, 3).reshape(kv_heads, width * group, 1))
+        return merged.view(kv_heads, width, group, dim).permute(1, 0, 2, 3)
+
+
+# What our attention kernels take (csrc/varlen_attention.cpp, csrc/decode_attention.cpp).
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class CpuKernelAttention(SdpaAttention):
+    """Our CPU kernels: a packed prefill's whole batch in one call (csrc/varlen_attention.cpp), a
+    decode step's rows in one call (csrc/decode_attention.cpp: continuous batching's rows mostly
+    differ in length), a beam round's prompt stage with the beams' rows as they are and the keys
+    packed once. A kernel that is None (it does not take this head shape, or did not load) leaves
+    its question to torch's kernels (SdpaAttention)."""
+
+    def __init__(self, dtype: torch.dtype, varlen=None, decode=None, prefix=None) -> None:
+        super().__init__(dtype)
+        self.varlen_kernel, self.decode_kernel, self.prefix_kernel = varlen, decode, prefix
+
+    @classmethod
+    def takes(cls, dtype: torch.dtype, head_dim: int, group: int) -> tuple[bool, bool, bool]:
+        """Whether our varlen, decode and prefix kernels take this dtype, head width and number of
+        query heads a key head."""
+        if dtype not in KERNEL_DTYPES:
+            return False, False, False
+        width = head_dim % 16 == 0 and head_dim <= 512
+        return width, head_dim % 32 == 0 and head_dim <= 256 and group <= 8, width
+
+    def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        if self.varlen_kernel is None:
+            return super().prefill(ctx, layer, q, k, v, scale)
+        return self.varlen_kernel(q, k, v, ctx.lengths, scale, ctx.last_only).view(-1, q.shape[1] * q.shape[2])
+
+    def decode(self, ctx, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.decode_kernel is None:
+            return super().decode(ctx, q, keys, values, scale)
+        return self.decode_kernel(q, keys, values, ctx.reads, scale).view(q.shape[0], -1)
+
+    def beam_prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_out: torch.Tensor,
+                    own_lse: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.prefix_kernel is None:
+            return super().beam_prompt(q, keys, values, own_out, own_lse, scale)
+        out, lse = self.prefix_kernel(q, keys, values, scale)
+        return _merge(out.view(own_out.shape), lse.view(own_lse.shape), own_out, own_lse)
+
+
+class MaskedSdpaAttention(SdpaAttention):
+    """torch's attention on an accelerator: a decode step's rows in one call over the longest
+    row's keys, the rest masked (a call per run of lengths would read the lengths back from the
+    device, a wait at every step); there sums depend on the batch's shape anyway, through the
+    kernels' own choices. Sequences reach the kernels at their own lengths."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__(dtype, flash=None)  # (log-sum-exps in plain operations)
+        self.multiple = 1
+
+    def decode(self, ctx, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        rows, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        span = ctx.cache.max_length + 1
+        if ctx.mask is None:  # (made at the first layer, read by every other)
+            ctx.mask = (torch.arange(span, device=q.device) < ctx.reads[:, None]).view(rows, 1, 1, span)
+        out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, dim), keys[:rows, :, :span],
+                                             values[:rows, :, :span], attn_mask=ctx.mask, scale=scale)
+        return out.reshape(rows, heads * dim)
+
+
+class CudaFlashAttention(MaskedSdpaAttention):
+    """MaskedSdpaAttention with a packed prefill's attention in one call of torch's varlen flash
+    attention (FlashVarlen: CUDA, bfloat16 and float16), whatever its sequences' lengths; the
+    SDPA calls serve where it cannot run."""
+
+    needs_cu_lengths = True
+
+    def __init__(self, dtype: torch.dtype, flash_varlen: FlashVarlen) -> None:
+        super().__init__(dtype)
+        self.flash_varlen = flash_varlen
+
+    def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        if self.flash_varlen.fn is not None:  # (the keys just computed are all a prompt attends to)
+            out = self.flash_varlen(q, k, v, ctx.cu_lengths, max(ctx.lengths), scale)
+            if out is not None:
+                return (out[ctx.last] if ctx.last_only else out).reshape(-1, q.shape[1] * q.shape[2])
+        return super().prefill(ctx, layer, q, k, v, scale)
+
+
+class FlashVarlen:
+    """torch's variable-length flash attention (torch.nn.attention.varlen). Its arguments moved
+    between torch releases (is_causal became window_size, enable_gqa came later): read off its
+    signature. Off for good, with one warning, where a call says it cannot run here
+    (unsupported()). Any other failure (out of memory, a device fault) fails that forward's
+    batch only, as any forward's error does, and the next batch tries it again."""
+
+    def __init__(self) -> None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            self.fn = None
+            return
+        params = inspect.signature(varlen_attn).parameters
+        self.fn = varlen_attn
+        self.extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        self.gqa = "enable_gqa" in params
+        self.scale = "scale" in params
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_lengths: torch.Tensor, longest: int,
+                 scale: float) -> torch.Tensor | None:
+        extra = dict(self.extra)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            if self.gqa:
+                extra["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.scale:
+            extra["scale"] = scale
+        elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+            return None  # (its own scale is 1/sqrt(dim), the Llama family's)
+        try:
+            return self.fn(q, k, v, cu_lengths, cu_lengths, longest, longest, **extra)
+        except Exception as exc:
+            if not unsupported(exc):
+                raise
+            logging.getLogger("xllm_async.model").warning("varlen flash attention unusable, SDPA instead: %s", exc)
+            self.fn = None
+            return None
+
+
+# What torch says when a kernel cannot run on this build, device or shape at all ("GQA is not
+# supported with the cuDNN backend", "FlashAttention only supports Ampere GPUs or newer", "no
+# kernel image is available"): the same on every later call.
+_UNSUPPORTED = re.compile(r"not (yet )?supported|does not support|only supports?|not implemented|unsupported"
+                          r"|no kernel image", re.IGNORECASE)
+
+
+def unsupported(exc: BaseException) -> bool:
+    """Whether a kernel's failure means it cannot serve this process (a signature that moved, a
+    backend that refuses the device or the shape), not that this call failed (memory, a fault)."""
+    if isinstance(exc, torch.OutOfMemoryError):  # (a RuntimeError, whatever its message says)
+        return False
+    if isinstance(exc, (TypeError, ValueError, NotImplementedError)):  # arguments it does not take
+        return True
+    return isinstance(exc, RuntimeError) and _UNSUPPORTED.search(str(exc)) is not None
