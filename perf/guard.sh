@@ -13,13 +13,14 @@ set -euo pipefail
 BEFORE=${1:?usage: perf/guard.sh PATH-OF-THE-CHECKOUT-BEFORE [OUT]}
 OUT=${2:-perf/results/guard-$(date +%Y%m%d-%H%M)}
 PY=${PY:-.venv/bin/python}
-ROUNDS=${ROUNDS:-2}
+ROUNDS=${ROUNDS:-3}
+SEED_ROUNDS=${SEED_ROUNDS:-6}  # a seed point lasts a second or two and moves +-20% between rounds
 BEFORE=$(cd "$BEFORE" && pwd)
 mkdir -p "$OUT"
 SMOL=$("$PY" -m xllm_async.runtime.default_model)
 
-"$PY" perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 1000 \
-    --rounds "$ROUNDS" --config "before=@$BEFORE" --config "after=" --out-dir "$OUT/seed" | tee "$OUT/seed.txt"
+"$PY" perf/sweep.py --concurrency 2,32 --random-input 320 --random-output 1 --num-prompts 2000 \
+    --rounds "$SEED_ROUNDS" --config "before=@$BEFORE" --config "after=" --out-dir "$OUT/seed" | tee "$OUT/seed.txt"
 
 "$PY" perf/sweep.py --model "$SMOL" --concurrency 1,8 --random-input 128 --random-output 128 --num-prompts 32 \
     --warmup-prompts 4 --rounds "$ROUNDS" --config "before=@$BEFORE" --config "after=" --out-dir "$OUT/smollm2" \
@@ -28,7 +29,7 @@ SMOL=$("$PY" -m xllm_async.runtime.default_model)
 for round in $(seq "$ROUNDS"); do
     for side in before after; do
         checkout=(); [ "$side" = before ] && checkout=(--checkout "$BEFORE")
-        "$PY" perf/beams.py --widths 128 --tables both --repetitions 7 "${checkout[@]}" \
+        "$PY" perf/beams.py --widths 128 --tables none,items --repetitions 7 "${checkout[@]}" \
             | tee "$OUT/beams-$side-$round.txt"
     done
 done
