@@ -88,8 +88,7 @@ class Service:
         self.slots = start_slots(self.runner.device, num_slots,
                                  settings.torch_threads, settings.slot_nice)
         self._capture_graphs(settings.graph_max_tokens)
-        if self.runner.device.type == "cpu":
-            self.runner.warm_up(settings.max_tokens_per_batch,
+        self.runner.warm_up(settings.max_tokens_per_batch,
                     {n for slot in self.slots for n in (slot.binding.cpu_threads, slot.binding.all_threads)})
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
@@ -173,7 +172,7 @@ class Service:
         """On accelerators, each slot captures its graphs on its own thread and stream, one slot
         after another (a capture must not meet another thread's allocations)."""
         capture = self.runner.capture_graphs
-        if not max_tokens or self.runner.device.type == "cpu":
+        if not max_tokens:
             return
         for slot in self.slots:
             try:

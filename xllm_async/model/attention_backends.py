@@ -119,7 +119,7 @@ class SdpaAttention:
         """q [batch, heads, queries, dim] against keys/values [batch, heads, keys, dim] ->
         softmax(q k^T) v, and each query's log-sum-exp [batch, heads, queries, 1] (float32, for
         merging): through the fused kernel, which returns the log-sum-exp too and never holds the
-        scores (perf/cpu_attention.py compares it with plain operations)."""
+        scores (perf/experiments/cpu_attention.py compares it with plain operations)."""
         if self.flash is None or not q.numel():  # (it faults on no queries)
             return _attend_plain(q, keys, values, scale)
         queries, span = q.shape[-2], keys.shape[-2]

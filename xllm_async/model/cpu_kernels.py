@@ -1,16 +1,14 @@
-"""Our fused bfloat16 CPU kernels (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm,
-rotary embedding (after Qwen3's per-head norm), SiLU x up (since the sixteenth session in float32
-too, on CPUs with AVX512-BF16). Each is one pass over memory where
-the eager code makes four to eight; a bfloat16 prefill spent half its time in such passes
-(perf/RESULTS.md, tenth session). Since the eleventh: on CPUs with AMX, causal attention over a
-whole batch of packed prompts in one call and a beam round's prompt stage
-(csrc/varlen_attention.cpp; since the fourteenth also on CPUs with AVX512-BF16 and no AMX, on dot
-products instead of tiles); on CPUs with AVX512-BF16, a decode step's attention in one call
-(csrc/decode_attention.cpp; since the sixteenth in float32 too) and a beam round's top k with its
-log-sum-exp (csrc/beam_topk.cpp).
-Since the thirteenth, a decode step's bfloat16 linear layers and the LM head (csrc/linear.cpp): on
-AMX where the CPU has it, since the fourteenth on AVX512-BF16 where it has only that; since the
-sixteenth float32 linear layers too, on AVX512 FMAs, for every row count.
+"""Our fused CPU kernels (csrc/*.cpp), bfloat16 and float32, each one pass over memory where the
+eager code makes four to eight (a bfloat16 prefill spent half its time in such passes: perf/RESULTS.md,
+"Offline, the ceiling and the server's own cost"):
+- elementwise: RMSNorm, residual add + RMSNorm, rotary embedding (after Qwen3's per-head norm),
+  SiLU x up (cpu_kernels.cpp);
+- attention: causal attention over a whole batch of packed prompts in one call and a beam round's
+  prompt stage (varlen_attention.cpp: AMX tiles where the CPU has them, AVX512-BF16 dot products
+  elsewhere); a decode step's attention in one call (decode_attention.cpp);
+- a beam round's top k with its log-sum-exp (beam_topk.cpp);
+- the linear layers and the LM head of small-row steps (linear.cpp: AMX, else AVX512-BF16; float32
+  on AVX512 FMAs).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU

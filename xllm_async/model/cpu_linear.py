@@ -130,6 +130,8 @@ def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int
     for module in model.modules():
         if _packable(module) and module.packed is not None and module.packed.onednn is not None:
             layers.setdefault((module.in_features, module.out_features, module.bias is not None), module)
+    if not layers:  # (accelerators, and CPUs on our own linear: nothing of oneDNN's to compile)
+        return 0
     sizes = sorted({padded_rows(rows) for rows in range(WARM_FROM + 1, max_rows + 1)})
     threads = torch.get_num_threads()
     try:

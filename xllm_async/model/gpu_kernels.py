@@ -5,9 +5,7 @@ transformers' eager code, so that the model code calls either through `module.fu
 Why: a prefill's elementwise steps in eager torch read and write every value many times (an
 RMSNorm in bfloat16: a copy to float32, the norm, a copy back, the weight: ~12 bytes moved per
 value where 4 would do), and each of ~38 kernels a layer costs the GPU a few microseconds even
-inside a graph. On the H200 (perf/RESULTS.md, twenty-second session), Qwen3-0.6B's shapes: 32
-prompts of 320 tokens spent 52.7 ms in kernels, of which ~13 ms are matrix products; with these,
-25 prompts spend 20.7 ms (9.7 of them in matrix products), and one prompt 2.65 ms against 4.4.
+inside a graph (measured on the H200: perf/RESULTS.md, "GPU (H200)").
 
 - rms_norm(x, weight, eps): weight * (x / rms(x)), the norm in float32, rounded to x's dtype
   before the weight's product (as transformers' LlamaRMSNorm / Qwen3RMSNorm);

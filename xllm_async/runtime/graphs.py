@@ -1,11 +1,10 @@
 """A forward cut at attention, its pieces replayed from graphs captured once per bucket of rows.
 
 On an accelerator a small model's forward is bound by the host: every operator is a kernel
-launch paid in Python (perf/RESULTS.md, "On a GPU": 28 ms of wall time for 4.7 ms of kernels,
-1,540 launches). A graph replays a piece's kernels in one call. Attention stays eager between
-the pieces, as in vLLM's piecewise graphs, so one set of graphs serves every forward the engine
-runs: packed prefills of any lengths with or without a cache, decode steps over caches of any
-shape, beam rounds. The pieces of a model of L layers:
+launch paid in Python (perf/RESULTS.md, "GPU (H200)"). A graph replays a piece's kernels in one
+call. Attention stays eager between the pieces, as in vLLM's piecewise graphs, so one set of
+graphs serves every forward the engine runs: packed prefills of any lengths with or without a
+cache, decode steps over caches of any shape, beam rounds. The pieces of a model of L layers:
 
     piece 0      the embedding, the rotary tables, layer 0 up to its q, k, v
     piece i      layer i-1 after attention, layer i up to its q, k, v
