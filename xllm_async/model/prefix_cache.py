@@ -6,15 +6,18 @@ hash((block i-1's chain key, block i's token ids)): a block is found only where 
 before it is the same, so the longest cached prefix is the run of blocks found from the first.
 Hash chains rather than a radix tree because a lookup is then one dictionary probe a block, and
 a block's place in memory does not depend on which prompt stored it. A hit also compares the
-block's token ids and parent key, so a hash collision can cost a miss but never a wrong answer.
+block's token ids and its parent's chain key: a wrong hit would need two different prefixes whose
+64-bit chain keys collide.
 
 One store serves every execution slot (their threads look up and store concurrently): a pool of
-blocks [blocks, layers, 2, kv_heads, BLOCK_TOKENS, head_dim] out of XLLM_KV_CACHE_BYTES,
+blocks [layers, 2, kv_heads, blocks, BLOCK_TOKENS, head_dim] out of XLLM_KV_CACHE_BYTES,
 evicted least recently used. A batch's cache stays a rectangle of per-sequence slabs
 (kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill, and a
-prompt's new full blocks copied from its slab after it. A block being copied is pinned and never
-evicted. A prompt always computes at least its last token (its logits are what the prefill is
-for), so at most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
+prompt's new full blocks copied from its slab after it. Laid out so, consecutive blocks are one
+run of tokens in every layer and head, as a slab is, and a prompt's blocks (taken together, in
+order) go to and from its slab in one copy, not one a block. A block being copied is pinned and
+never evicted. A prompt always computes at least its last token (its logits are what the prefill
+is for), so at most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 """
 
 from __future__ import annotations
@@ -106,18 +109,22 @@ class PrefixStore:
 
     def load(self, hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
         """Copy the hit's blocks into the first tokens of cache row `row` (slabs: SlabCache.slabs)."""
-        for i, block in enumerate(hit.blocks):
-            slabs[:, :, row, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS] = self._pool[block]
+        for i, block, count in _runs(list(enumerate(hit.blocks))):
+            slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS] = self._blocks(block, count)
+
+    def _blocks(self, block: int, count: int) -> torch.Tensor:
+        """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim]."""
+        return self._pool[:, :, :, block:block + count].flatten(3, 4)
 
     def keep(self, prompt: list[int], hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
         """After the prompt's prefill wrote its keys into cache row `row`: copy its full blocks that
         the store lacks into it, as far as blocks can be freed (pinned ones never are)."""
-        wanted: list[tuple[int, int]] = []  # (block index in the prompt, store block)
         with self._lock:
             if self._pool is None and self.capacity:
                 lay = self.layout
-                self._pool = torch.empty(self.capacity, lay.layers, 2, lay.kv_heads, BLOCK_TOKENS, lay.head_dim,
+                self._pool = torch.empty(lay.layers, 2, lay.kv_heads, self.capacity, BLOCK_TOKENS, lay.head_dim,
                                          dtype=lay.dtype, device=self.device)
+            missing, taken = [], []
             for i in range(len(hit.blocks), len(hit.keys)):
                 if hit.keys[i] in self._index:
                     continue
@@ -125,9 +132,11 @@ class PrefixStore:
                 if block is None:
                     break
                 self._pins[block] += 1  # (not indexed yet: no lookup finds it while it is written)
-                wanted.append((i, block))
-        for i, block in wanted:
-            self._pool[block].copy_(slabs[:, :, row, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
+                missing.append(i)
+                taken.append(block)
+            wanted = list(zip(missing, sorted(taken)))  # (in order: as few runs to copy as can be)
+        for i, block, count in _runs(wanted):
+            self._blocks(block, count).copy_(slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS])
         with self._lock:
             for i, block in wanted:
                 self._pins[block] -= 1
@@ -188,3 +197,15 @@ class PrefixStore:
     def release_all(self, hits: list[PrefixHit]) -> None:
         for hit in hits:
             self.release(hit)
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(block of the prompt, block of the store) pairs -> runs consecutive in both: (first of the
+    prompt, first of the store, count)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
