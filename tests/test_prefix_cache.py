@@ -214,6 +214,43 @@ def test_a_tiny_store_evicts_the_least_recently_used_and_never_a_pinned_block(ru
         runner.prefix_store = kept
 
 
+def test_slots_storing_and_finding_at_once_never_see_another_prompts_keys():
+    """Four threads look up, copy and store prompts that share prefixes, in a store too small for
+    them all: every hit's keys are its own prompt's (here a token's keys are its id)."""
+    from xllm_async.model.kv_cache import KvLayout
+
+    store = PrefixStore(KvLayout(1, 1, 16, torch.float32), 12, torch.device("cpu"))
+    roots = random_prompts(17, [3 * B, 3 * B])
+    prompts = [roots[i % 2][:(1 + i % 3) * B] + random_prompts(18 + i, [B + 5])[0] for i in range(12)]
+    wrong: list[str] = []
+
+    def slot(seed: int) -> None:
+        slabs = torch.zeros(1, 2, 1, 1, 8 * B, 16)
+        rng = torch.Generator().manual_seed(seed)
+        for _ in range(60):
+            prompt = prompts[int(torch.randint(len(prompts), (1,), generator=rng))]
+            slabs.zero_()
+            (hit,) = store.claim([prompt], slabs, 0)
+            found = slabs[0, 0, 0, 0, :hit.tokens, 0].tolist()
+            if found != [float(t) for t in prompt[:hit.tokens]]:
+                wrong.append(f"a hit of {hit.tokens} tokens holds another prompt's keys")
+            slabs[:, :, 0, 0, :len(prompt)] = torch.tensor(prompt, dtype=torch.float32)[:, None]  # "the prefill"
+            store.keep_all([prompt], [hit], slabs, 0)
+            store.release_all([hit])
+
+    threads = [threading.Thread(target=slot, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong and store.used <= 12
+    whole = random_prompts(19, [12 * B + 1])[0]  # every block free to take again: no pin was left behind
+    slabs = torch.zeros(1, 2, 1, 1, 13 * B, 16)
+    store.keep(whole, store.match(whole, look=False), slabs, 0)
+    hit = store.match(whole)
+    assert hit.tokens == 12 * B
+
+
 def test_torchs_attention_takes_a_cached_prefix_too(tiny_model_dir):
     runner = make_runner(tiny_model_dir)
     runner.attention = SdpaAttention(torch.float32)
@@ -272,6 +309,8 @@ def test_served_answers_report_cached_tokens_and_equal_the_cold_ones(cached_serv
         assert answer["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
     assert metric(cached_server, "xllm:prefix_cache_queries", "xllm:prefix_cache_queries_total") == queries + 300
     assert metric(cached_server, "xllm:prefix_cache_hits", "xllm:prefix_cache_hits_total") == hits + 4 * B
+    assert metric(cached_server, "xllm:prefix_cache_bytes") == 32 << 20  # half of XLLM_KV_CACHE_BYTES
+    assert 0 < metric(cached_server, "xllm:prefix_cache_usage_ratio") < 1
 
 
 def test_concurrent_requests_on_a_shared_prefix_answer_as_cold(cached_server, server):
