@@ -251,16 +251,19 @@ def test_slots_storing_and_finding_at_once_never_see_another_prompts_keys():
     assert hit.tokens == 12 * B
 
 
-def test_torchs_attention_takes_a_cached_prefix_too(tiny_model_dir):
-    runner = make_runner(tiny_model_dir)
-    runner.attention = SdpaAttention(torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchs_attention_takes_a_cached_prefix_too(tiny_model_dir, dtype):
+    """(bfloat16: its queries and keys padded to ATTENTION_MULTIPLE, the padding masked.)"""
+    runner = make_runner(tiny_model_dir, str(dtype).removeprefix("torch."))
+    runner.attention = SdpaAttention(dtype)
     prompts = random_prompts(9, [120, 75])
     run(runner, prompts)
     extended = [prompts[0] + [3, 4, 5], prompts[1][:70]]
     expected, _ = run(runner, extended, cold=True)
     got, cached = run(runner, extended)
     assert cached == [3 * B, 2 * B]
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 

@@ -58,9 +58,11 @@ def _attend_plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out, peak + total.log()
 
 
-def _after(skip: int, length: int, device: torch.device) -> torch.Tensor:
-    """The causal mask [length, skip + length] of queries that follow `skip` cached keys."""
-    return torch.arange(skip + length, device=device) <= torch.arange(skip, skip + length, device=device)[:, None]
+def _after(skip: int, length: int, rows: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The causal mask [rows, keys] of `length` queries that follow `skip` cached keys, padded with
+    rows and keys after them (ATTENTION_MULTIPLE): a padding key is seen by no real query."""
+    seen = torch.arange(skip, skip + rows, device=device).clamp_(max=skip + length - 1)
+    return torch.arange(keys, device=device) <= seen[:, None]
 
 
 class SdpaAttention:
@@ -98,9 +100,11 @@ class SdpaAttention:
                 out = F.scaled_dot_product_attention(qg[:, -1:].transpose(1, 2), kg, vg, scale=scale,
                                                      enable_gqa=True)
             elif skip:  # after a cached prefix: torch's is_causal aligns the queries with the first keys
-                mask = _after(skip, length, q.device)
-                out = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=mask, scale=scale,
-                                                     enable_gqa=True)
+                rows, keys = self.span(length), self.span(skip + length)
+                mask = _after(skip, length, rows, keys, q.device)
+                out = F.scaled_dot_product_attention(_pad_tokens(qg.transpose(1, 2), rows), _pad_tokens(kg, keys),
+                                                     _pad_tokens(vg, keys), attn_mask=mask, scale=scale,
+                                                     enable_gqa=True)[:, :, :length]
             else:
                 # Causal, so padding tokens after a sequence (ATTENTION_MULTIPLE) change none of its rows.
                 span = self.span(length)
