@@ -4,6 +4,7 @@ the same tokens; through the real server, usage and metrics say what was cached.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -34,23 +35,29 @@ def runner(tiny_model_dir):
     return make_runner(tiny_model_dir)
 
 
-def run(runner, prompts: list[list[int]], steps: int = 4, cold: bool = False):
-    """Greedy steps over the prompts as one batch: (logits of every step [steps, rows, vocab],
-    each prompt's cached tokens). cold: with the store set aside (nothing looked up or kept)."""
+@contextlib.contextmanager
+def store_aside(runner, cold: bool = True):
+    """Where cold, the runner's store set aside for the block (nothing looked up or kept)."""
     store = runner.prefix_store
     if cold:
         runner.prefix_store = None
     try:
-        cached: list[int] = []
-        with torch.inference_mode():
-            logits, kv = runner.prefill(prompts, capacity=max(map(len, prompts)) + steps, cached=cached)
-            out = [logits]
-            for _ in range(steps - 1):
-                logits = runner.decode(kv, logits.argmax(-1).tolist())
-                out.append(logits)
-        return torch.stack(out), cached
+        yield
     finally:
         runner.prefix_store = store
+
+
+def run(runner, prompts: list[list[int]], steps: int = 4, cold: bool = False):
+    """Greedy steps over the prompts as one batch: (logits of every step [steps, rows, vocab],
+    each prompt's cached tokens). cold: with the store set aside."""
+    cached: list[int] = []
+    with store_aside(runner, cold), torch.inference_mode():
+        logits, kv = runner.prefill(prompts, capacity=max(map(len, prompts)) + steps, cached=cached)
+        out = [logits]
+        for _ in range(steps - 1):
+            logits = runner.decode(kv, logits.argmax(-1).tolist())
+            out.append(logits)
+    return torch.stack(out), cached
 
 
 def fresh(runner) -> None:
@@ -96,10 +103,9 @@ def test_rows_joining_a_running_batch_find_their_prefix_too(runner):
         _, kv = runner.prefill([prompts[1]], capacity=200)
         cached: list[int] = []
         logits, _ = runner.prefill([joiner], into=kv, cached=cached)
-        store, runner.prefix_store = runner.prefix_store, None
-        _, cold_kv = runner.prefill([prompts[1]], capacity=200)
-        expected, _ = runner.prefill([joiner], into=cold_kv)
-        runner.prefix_store = store
+        with store_aside(runner):
+            _, cold_kv = runner.prefill([prompts[1]], capacity=200)
+            expected, _ = runner.prefill([joiner], into=cold_kv)
     assert cached == [3 * B] and torch.equal(logits, expected)
 
 
@@ -125,9 +131,8 @@ def test_scored_prompts_compute_every_position_and_score_as_cold(runner):
     with torch.inference_mode():
         cached: list[int] = []
         logits, _, scores = runner.prefill_scored(prompts, 110, None, [2, None], cached=cached)
-        store, runner.prefix_store = runner.prefix_store, None
-        cold_logits, _, cold_scores = runner.prefill_scored(prompts, 110, None, [2, None])
-        runner.prefix_store = store
+        with store_aside(runner):
+            cold_logits, _, cold_scores = runner.prefill_scored(prompts, 110, None, [2, None])
     assert cached == [0, 3 * B]  # the scored one computes its every position; the other finds its blocks
     assert torch.equal(logits, cold_logits)
     assert scores[0].logprobs == cold_scores[0].logprobs and scores[1] is None
@@ -136,22 +141,16 @@ def test_scored_prompts_compute_every_position_and_score_as_cold(runner):
 def beam_rounds(runner, prompts: list[list[int]], cold: bool = False):
     """A beam search's hidden states (the prefill's, then two rounds of 3 beams a prompt, fed fixed
     tokens) and each prompt's cached tokens."""
-    store = runner.prefix_store
-    if cold:
-        runner.prefix_store = None
-    try:
-        cached: list[int] = []
-        with torch.inference_mode():
-            hidden, state = runner.beam_prefill(prompts, [3] * len(prompts), 3, cached=cached)
-            outs = [hidden.clone()]
-            widths = [3] * len(prompts)
-            for parents in ([r for r in range(len(prompts)) for _ in range(3)],
-                            [3 * r + (b + 1) % 3 for r in range(len(prompts)) for b in range(3)]):
-                tokens = [1000 + 7 * i + len(outs) for i in range(len(parents))]
-                outs.append(runner.beam_decode(state, tokens, parents, widths).clone())
-        return torch.cat(outs), cached
-    finally:
-        runner.prefix_store = store
+    cached: list[int] = []
+    with store_aside(runner, cold), torch.inference_mode():
+        hidden, state = runner.beam_prefill(prompts, [3] * len(prompts), 3, cached=cached)
+        outs = [hidden.clone()]
+        widths = [3] * len(prompts)
+        for parents in ([r for r in range(len(prompts)) for _ in range(3)],
+                        [3 * r + (b + 1) % 3 for r in range(len(prompts)) for b in range(3)]):
+            tokens = [1000 + 7 * i + len(outs) for i in range(len(parents))]
+            outs.append(runner.beam_decode(state, tokens, parents, widths).clone())
+    return torch.cat(outs), cached
 
 
 def test_beam_searches_find_their_prompts_prefix_and_step_bit_for_bit(runner):
