@@ -37,6 +37,8 @@ def test_environment_then_flags_override():
     ({"XLLM_CONCURRENT_EXECUTE_STREAM_NUM": "0"}, "XLLM_CONCURRENT_EXECUTE_STREAM_NUM"),
     ({"XLLM_MAX_TOKENS_PER_BATCH": "-5"}, "XLLM_MAX_TOKENS_PER_BATCH"),
     ({"XLLM_MODEL": "/no/such/folder"}, "config.json"),
+    ({"XLLM_PREFIX_CACHE": "maybe"}, "on, off"),
+    ({"XLLM_PREFIX_CACHE_SHARE": "1.5"}, "between 0 and 1"),
 ])
 def test_bad_values_name_variable_value_and_allowed(env, needle):
     with pytest.raises(ConfigError) as info:

@@ -54,6 +54,8 @@ class Settings:
     log_level: str = "info"
     access_log: str = "plain"
     metrics: str = "on"
+    prefix_cache: str = "off"
+    prefix_cache_share: float = 0.5
 
 
 # --- value parsers: each returns the value or raises ValueError("what is allowed") ---
@@ -129,6 +131,16 @@ def _bytes(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("a number between 0 and 1") from None
+    if not 0 < value < 1:
+        raise ValueError("a number between 0 and 1")
+    return value
+
+
 def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
     return lambda text: None if text == "" else parse(text)
 
@@ -187,6 +199,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "log_level": (_choice("debug", "info", "warning", "error"), "logging level"),
     "access_log": (_choice("plain", "json", "off"), "one line per request: plain text, JSON lines, or off"),
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),
+    "prefix_cache": (_choice("on", "off"), "our engine: keep prompts' keys and values after their prefill, and "
+                                           "prefill a prompt from the end of its longest cached prefix (blocks of "
+                                           "32 tokens, least recently used evicted); off until measured"),
+    "prefix_cache_share": (_fraction, "with XLLM_PREFIX_CACHE=on: the share of XLLM_KV_CACHE_BYTES the prefix "
+                                      "cache holds, the slots' caches the rest"),
 }
 
 

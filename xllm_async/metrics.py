@@ -154,6 +154,9 @@ class Metrics:
         self.fill = Histogram("batch_fill_wait_seconds",
                               "Time a free slot held a batch back for company (fixed_steps; only batches that waited).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.prefix_queries = Counter("prefix_cache_queries_total",
+                                      "Prompt tokens looked up in the prefix cache (XLLM_PREFIX_CACHE=on).")
+        self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.finished = Counter("request_success_total", "Sequences finished, by reason.", ("finished_reason",))
         self.http = Counter("http_requests_total", "HTTP responses, by status code.", ("status",))
@@ -169,11 +172,17 @@ class Metrics:
                 if isinstance(value, (Counter, Histogram)):
                     setattr(self, name, off)
 
-    def batch_prefilled(self, seconds: float, prompts: list[list[int]], tokens: int) -> None:
+    def batch_prefilled(self, seconds: float, prompts: list[list[int]], tokens: int,
+                        cached: list[int] | None = None) -> None:
+        """cached: each prompt's tokens found in the prefix cache (empty or None: the runner has none)."""
         self.prefill.observe(seconds)
         self.batch_size.observe(len(prompts))
-        self.prompt_tokens.inc(sum(len(p) for p in prompts))
+        prompt_tokens = sum(len(p) for p in prompts)
+        self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(tokens)
+        if cached:
+            self.prefix_queries.inc(prompt_tokens)
+            self.prefix_hits.inc(sum(cached))
 
     def batch_decoded(self, seconds: float, tokens: int) -> None:
         self.decode.observe(seconds)
@@ -187,7 +196,8 @@ class Metrics:
     def render(self) -> bytes:
         lines: list[str] = []
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prefill, self.decode, self.batch_size,
-                       self.fill, self.prompt_tokens, self.generation_tokens, self.finished, self.http,
+                       self.fill, self.prompt_tokens, self.prefix_queries, self.prefix_hits, self.generation_tokens,
+                       self.finished, self.http,
                        self.beam_requests, self.beams, self.items, *self._extra):
             lines.extend(metric.render())
         return ("\n".join(lines) + "\n").encode()

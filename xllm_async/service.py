@@ -77,7 +77,8 @@ class Service:
 
         continuous = settings.scheduler == "continuous"
         num_slots = 1 if continuous else settings.concurrent_execute_stream_num
-        self.runner.set_kv_cache(settings.kv_cache_bytes, num_slots)
+        prefix_share = settings.prefix_cache_share if settings.prefix_cache == "on" else 0.0
+        self.runner.set_kv_cache(settings.kv_cache_bytes, num_slots, prefix_share)
         if self.runner.kv_tokens and self.runner.kv_tokens < self.runner.max_model_len:
             raise ConfigError(f"invalid XLLM_KV_CACHE_BYTES={settings.kv_cache_bytes}: a slot's cache holds "
                               f"{self.runner.kv_tokens} tokens, less than one sequence of XLLM_MAX_MODEL_LEN="
@@ -105,7 +106,8 @@ class Service:
         info = {
             "model": self.name, "model_path": model_dir, "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."), "engine": self.runner.engine,
-            "kv_cache_tokens_per_slot": self.runner.kv_tokens, "scheduler": settings.scheduler,
+            "kv_cache_tokens_per_slot": self.runner.kv_tokens, "prefix_cache": self.runner.caches_prefixes,
+            "scheduler": settings.scheduler,
             "concurrent_execute_stream_num": len(self.slots),
             "max_tokens_per_batch": settings.max_tokens_per_batch,
             "max_seqs_per_batch": settings.max_seqs_per_batch, "max_model_len": self.runner.max_model_len,
@@ -123,6 +125,12 @@ class Service:
             self.metrics.add(Gauge("process_resident_memory_bytes", "Resident memory of this process.",
                                    resident_memory_bytes))
         self.metrics.add(ProcessFigures())
+        store = getattr(self.runner, "prefix_store", None)
+        if store is not None:
+            self.metrics.add(Gauge("prefix_cache_bytes", "Bytes of XLLM_KV_CACHE_BYTES the prefix cache holds.",
+                                   lambda: store.capacity * store.block_bytes))
+            self.metrics.add(Gauge("prefix_cache_usage_ratio", "Share of the prefix cache's blocks in use.",
+                                   lambda: store.used / store.capacity))
         self.item_loads = Counter("item_table_loads_total", "Item table loads (start-up and SIGHUP), by result.",
                                   ("result",))
         self.metrics.add(self.item_loads)

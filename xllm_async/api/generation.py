@@ -52,6 +52,8 @@ async def generate(engine: Engine, model: ModelInfo, items: ItemTable | None, re
     # As OpenAI and vLLM count it: each prompt once, however many choices share it.
     prompt_tokens = sum(len(p) for p in spec.prompts)
     shape = shape_class(model.name, model.tokenizer, prefix, prompt_tokens, spec.top_logprobs is not None)
+    if engine.runner.caches_prefixes:
+        shape.cached_from = [r for r in requests if r.index % spec.n == 0]  # (each prompt once, as prompt_tokens)
     record: AccessRecord = responder.record
     record.prompt_tokens = prompt_tokens
     try:

@@ -57,11 +57,18 @@ class ResponseShape:
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
         self.streamed: dict[int, int] = {}  # a streamed completion's choices: characters of token text so far
+        # With a prefix cache: a request per prompt, whose cached_tokens usage reports once they ran.
+        self.cached_from: list | None = None
 
     def usage(self, choices: list[Choice]) -> dict:
-        completion = sum(c.tokens for c in choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        return self._usage(sum(c.tokens for c in choices))
+
+    def _usage(self, completion: int) -> dict:
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion}
+        if self.cached_from is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in self.cached_from)}
+        return usage
 
     def response(self, choices: list[Choice]) -> bytes:
         return orjson.dumps({
@@ -90,8 +97,7 @@ class ResponseShape:
                 completion_tokens += len(beam.token_ids)
         return orjson.dumps({
             "id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-            "choices": choices, "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                                          "total_tokens": self.prompt_tokens + completion_tokens},
+            "choices": choices, "usage": self._usage(completion_tokens),
         })
 
     def chunk(self, delta: Delta, first: bool) -> bytes:

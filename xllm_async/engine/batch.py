@@ -52,23 +52,27 @@ class GenerationBatch:
         first = len(self.requests) if into is not None else 0
         capacity, kv = cache_capacity(requests, self.runner.max_model_len), self.kv if into is not None else None
         scored = [r.params.prompt_logprobs for r in requests]
+        cached: list[int] = []  # (each prompt's tokens found in the prefix cache, where there is one)
         try:
             if any(k is not None for k in scored):  # (scoring: every position's logits of these prompts)
                 logits, self.kv, scores = self.runner.prefill_scored(prompts, capacity, kv, scored,
-                                                                     between_layers=self.between_layers)
+                                                                     between_layers=self.between_layers, cached=cached)
                 for req, score in zip(requests, scores):
                     req.prompt_scores = score
             else:
-                logits, self.kv = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers)
+                logits, self.kv = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers,
+                                                      cached=cached)
         except Exception:
             if into is not None and self.kv is not None:  # the running rows go on; drop half-written ones
                 self.kv.select(list(range(first)))
             raise
+        for req, tokens in zip(requests, cached):
+            req.cached_tokens = tokens
         if into is not None:
             self.requests = self.requests + requests
         items = self._advance(logits, first)
         if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items))
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items), cached)
         return items
 
     def decode(self) -> Items:

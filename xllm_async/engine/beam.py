@@ -8,13 +8,12 @@ the best beam_width (beam, token) continuations by cumulative log-probability
 -> the beams' own caches follow their parents. EOS is an ordinary token here:
 item ids have a fixed length, so every request runs its rounds to the end.
 
-With an item table (engine/item_trie.py) every beam may only continue with a
-token that keeps it on an item's path: the LM head is computed for the tokens
-that occur at that depth only, the others masked, and log-probabilities are
-normalised over the allowed tokens (the model's distribution given that the
-answer is an item; transformers' generate with prefix_allowed_tokens_fn and
-renormalize_logits=True computes the same). In the last round a beam whose prefix
-has one way to end is not fed at all (_forced).
+With an item table (engine/item_trie.py) every beam may only continue with a token
+that keeps it on an item's path: the LM head is computed for the tokens that occur at
+that depth only, the others masked, and log-probabilities are normalised over the
+allowed tokens (the model's distribution given that the answer is an item; transformers'
+generate with prefix_allowed_tokens_fn and renormalize_logits=True computes the same).
+In the last round a beam whose prefix has one way to end is not fed at all (_forced).
 """
 
 from __future__ import annotations
@@ -131,13 +130,16 @@ class BeamSearchBatch:
         for req in self.requests:
             req.started = started
         prompts = [r.prompt_ids for r in self.requests]
+        cached: list[int] = []  # (each prompt's tokens found in the prefix cache, where there is one)
         hidden, self.state = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
                                                       max(r.rounds for r in self.requests),
-                                                      between_layers=self.between_layers)
+                                                      between_layers=self.between_layers, cached=cached)
+        for req, tokens in zip(self.requests, cached):
+            req.cached_tokens = tokens
         self.groups = [_Group(req, hidden.device) for req in self.requests]
         self._choose(hidden)
         if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts))
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), cached)
         return self._finish_done()
 
     def decode(self) -> list:

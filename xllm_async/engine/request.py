@@ -32,7 +32,8 @@ class QueuedRequest:
     holds its batch; `aborted` and `done` are the fields the loop writes afterwards.
     """
 
-    __slots__ = ("index", "prompt_ids", "sink", "finish_reason", "aborted", "done", "arrival", "started")
+    __slots__ = ("index", "prompt_ids", "sink", "finish_reason", "aborted", "done", "arrival", "started",
+                 "cached_tokens")
 
     num_seqs = 1  # rows it holds in a batch
     own_rows = own_tokens = 0  # the cache its beams hold apart from its row (BeamRequest)
@@ -46,6 +47,7 @@ class QueuedRequest:
         self.done = False  # set on the loop: its last delta was delivered, or it was aborted
         self.arrival = time.monotonic()
         self.started = 0.0  # when its batch began prefill (set on the slot thread)
+        self.cached_tokens = 0  # prompt tokens its prefill found in the prefix cache (set on the slot thread)
 
     def fail(self, message: str) -> Delta:
         self.finish_reason = "error"

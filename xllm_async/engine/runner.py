@@ -30,9 +30,11 @@ class Runner(Protocol):
     # admission counts a beam search's cache by this (engine/budget.py).
     shares_beam_prompts: bool
     kv_tokens: int  # tokens of cache an execution slot may hold (0: no budget set yet)
+    caches_prefixes: bool  # a prefix cache serves its prefills (ours, with XLLM_PREFIX_CACHE=on)
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
-        """Size the slots' key/value budget: total_bytes (None: the device's default) shared by the slots."""
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
+        """Size the slots' key/value budget: total_bytes (None: the device's default) shared by the slots,
+        less prefix_share of it for a prefix cache shared by them all (where the runner has one)."""
 
     def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
         """At start-up on CPU: compile what traffic would otherwise meet first (a no-op where nothing is)."""
@@ -42,20 +44,24 @@ class Runner(Protocol):
         where the runner has none."""
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0, into=None,
-                between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, object]:
+                between_layers: Callable[[], None] | None = None,
+                cached: list[int] | None = None) -> tuple[torch.Tensor, object]:
         """Run the prompts; last-position logits [rows, vocab] and, with capacity or into, their cache.
         between_layers (here and in every call that runs a forward): called after each decoder
-        layer where the runner has layers of its own, so the engine's CPU core rule acts mid-forward."""
+        layer where the runner has layers of its own, so the engine's CPU core rule acts mid-forward.
+        cached: extended with each prompt's tokens served from the prefix cache, where the runner has
+        one (left as it is where not)."""
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into, scored: list[int | None],
-                       between_layers: Callable[[], None] | None = None):
+                       between_layers: Callable[[], None] | None = None, cached: list[int] | None = None):
         """prefill(), and each prompt's PromptScores (model/scoring.py) where scored[i] is set."""
 
     def decode(self, kv, tokens: list[int], between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One token per row of the cache; the next logits [rows, vocab]."""
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
-                     between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, object]:
+                     between_layers: Callable[[], None] | None = None,
+                     cached: list[int] | None = None) -> tuple[torch.Tensor, object]:
         """Each prompt once; (hidden states [prompts, ...], the beams' state) for logits() and beam_decode()."""
 
     def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],

@@ -33,9 +33,9 @@ def _attend_few(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return (torch.matmul(weights, values.float()) / total).to(q.dtype), peak + total.log()
 
 
-def _equal_runs(values: list[int]) -> list[tuple[int, int, int]]:
+def _equal_runs(values: list) -> list[tuple]:
     """Runs of equal neighbours: (index of the first, how many, the value)."""
-    runs: list[tuple[int, int, int]] = []
+    runs: list[tuple] = []
     for i, value in enumerate(values):
         if runs and runs[-1][2] == value:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1, value)
@@ -45,22 +45,29 @@ def _equal_runs(values: list[int]) -> list[tuple[int, int, int]]:
 
 
 class PackedPrefill:
-    """Prompts packed end to end: positions restart at 0 for every sequence."""
+    """Prompts packed end to end: positions restart at 0 for every sequence, or at the tokens it
+    found in the prefix cache (cached[i]: those are in its cache row already, and only its other
+    tokens are computed: lengths[i] of them)."""
 
-    __slots__ = ("backend", "lengths", "groups", "positions", "last", "cache", "first_row", "last_only", "scoring",
-                 "last_kept", "cu_lengths")
+    __slots__ = ("backend", "lengths", "cached", "kv_lengths", "groups", "positions", "last", "cache", "first_row",
+                 "last_only", "scoring", "last_kept", "cu_lengths")
 
     def __init__(self, backend, lengths: list[int], device: torch.device, cache: SlabCache | None = None,
-                 first_row: int = 0, whole: list[bool] | None = None) -> None:
+                 first_row: int = 0, whole: list[bool] | None = None, cached: list[int] | None = None) -> None:
         self.backend = backend  # (attention_backends.py)
         self.lengths = lengths
-        # Runs of equal lengths (start token, count, length): one attention call each for torch's kernels.
-        self.groups: list[tuple[int, int, int]] = []
+        # None where no prompt found a cached prefix; else the keys each prompt's last query sees.
+        self.cached = cached if cached and any(cached) else None
+        self.kv_lengths = None if self.cached is None else [c + n for c, n in zip(self.cached, lengths)]
+        # Runs of equal lengths and cached prefixes (start token, count, length, cached): one
+        # attention call each for torch's kernels, one write of keys into the cache each.
+        skips = cached or [0] * len(lengths)
+        self.groups: list[tuple[int, int, int, int]] = []
         start = 0
-        for _, count, n in _equal_runs(lengths):
-            self.groups.append((start, count, n))
+        for _, count, (n, skip) in _equal_runs(list(zip(lengths, skips))):
+            self.groups.append((start, count, n, skip))
             start += count * n
-        self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        self.positions = torch.cat([torch.arange(skip, skip + n) for n, skip in zip(lengths, skips)]).to(device)
         ends = torch.tensor(lengths).cumsum(0)
         # Where each sequence starts among the rows, for the flash kernel.
         self.cu_lengths = F.pad(ends, (1, 0)).to(device, torch.int32) if backend.needs_cu_lengths else None
@@ -86,10 +93,10 @@ class PackedPrefill:
         if self.cache is not None:  # the prompts' keys and values into their cache rows
             keys, values = self.cache.keys(layer), self.cache.values(layer)
             row, kv_heads, dim = self.first_row, k.shape[1], k.shape[2]
-            for start, count, length in self.groups:
-                end = start + count * length
-                keys[row:row + count, :, :length] = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
-                values[row:row + count, :, :length] = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+            for start, count, length, skip in self.groups:
+                end, stop = start + count * length, skip + length
+                keys[row:row + count, :, skip:stop] = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
+                values[row:row + count, :, skip:stop] = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
                 row += count
         return self.backend.prefill(self, layer, q, k, v, scale)
 

@@ -58,6 +58,13 @@ def _attend_plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out, peak + total.log()
 
 
+def _after(skip: int, length: int, rows: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The causal mask [rows, keys] of `length` queries that follow `skip` cached keys, padded with
+    rows and keys after them (ATTENTION_MULTIPLE): a padding key is seen by no real query."""
+    seen = torch.arange(skip, skip + rows, device=device).clamp_(max=skip + length - 1)
+    return torch.arange(keys, device=device) <= seen[:, None]
+
+
 class SdpaAttention:
     """torch's attention on a CPU: a packed prefill in a call per run of equal lengths, a decode
     step in a call per run of rows of equal length (never one masked call over the longest row:
@@ -80,11 +87,11 @@ class SdpaAttention:
         kv_heads = k.shape[1]
         outs = []
         row = ctx.first_row
-        for start, count, length in ctx.groups:
+        for start, count, length, skip in ctx.groups:
             end = start + count * length
-            if ctx.cache is not None:  # (attended where they were just stored)
-                kg = ctx.cache.keys(layer)[row:row + count, :, :length]
-                vg = ctx.cache.values(layer)[row:row + count, :, :length]
+            if ctx.cache is not None:  # (attended where they were just stored, after a cached prefix)
+                kg = ctx.cache.keys(layer)[row:row + count, :, :skip + length]
+                vg = ctx.cache.values(layer)[row:row + count, :, :skip + length]
             else:
                 kg = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
                 vg = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
@@ -92,6 +99,12 @@ class SdpaAttention:
             if ctx.last_only:  # (one query a sequence: a shape the kernel does not compile for)
                 out = F.scaled_dot_product_attention(qg[:, -1:].transpose(1, 2), kg, vg, scale=scale,
                                                      enable_gqa=True)
+            elif skip:  # after a cached prefix: torch's is_causal aligns the queries with the first keys
+                rows, keys = self.span(length), self.span(skip + length)
+                mask = _after(skip, length, rows, keys, q.device)
+                out = F.scaled_dot_product_attention(_pad_tokens(qg.transpose(1, 2), rows), _pad_tokens(kg, keys),
+                                                     _pad_tokens(vg, keys), attn_mask=mask, scale=scale,
+                                                     enable_gqa=True)[:, :, :length]
             else:
                 # Causal, so padding tokens after a sequence (ATTENTION_MULTIPLE) change none of its rows.
                 span = self.span(length)
@@ -158,9 +171,10 @@ class CpuKernelAttention(SdpaAttention):
     packed once. A kernel that is None (it does not take this head shape, or did not load) leaves
     its question to torch's kernels (SdpaAttention)."""
 
-    def __init__(self, dtype: torch.dtype, varlen=None, decode=None, prefix=None) -> None:
+    def __init__(self, dtype: torch.dtype, varlen=None, decode=None, prefix=None, cached=None) -> None:
         super().__init__(dtype)
         self.varlen_kernel, self.decode_kernel, self.prefix_kernel = varlen, decode, prefix
+        self.cached_kernel = cached if varlen is not None else None  # prompts after a cached prefix
 
     @classmethod
     def takes(cls, dtype: torch.dtype, head_dim: int, group: int) -> tuple[bool, bool, bool]:
@@ -173,6 +187,13 @@ class CpuKernelAttention(SdpaAttention):
 
     def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
+        if ctx.cached is not None:  # (keys from the prompts' cache rows: the cached prefix and the new ones)
+            if self.cached_kernel is None:
+                return super().prefill(ctx, layer, q, k, v, scale)
+            rows = slice(ctx.first_row, ctx.first_row + len(ctx.lengths))
+            out = self.cached_kernel(q, ctx.cache.keys(layer)[rows], ctx.cache.values(layer)[rows], ctx.lengths,
+                                     ctx.kv_lengths, scale, ctx.last_only)
+            return out.view(-1, q.shape[1] * q.shape[2])
         if self.varlen_kernel is None:
             return super().prefill(ctx, layer, q, k, v, scale)
         return self.varlen_kernel(q, k, v, ctx.lengths, scale, ctx.last_only).view(-1, q.shape[1] * q.shape[2])
@@ -224,7 +245,7 @@ class CudaFlashAttention(MaskedSdpaAttention):
 
     def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
-        if self.flash_varlen.fn is not None:  # (the keys just computed are all a prompt attends to)
+        if self.flash_varlen.fn is not None and ctx.cached is None:  # (the keys just computed are all it sees)
             out = self.flash_varlen(q, k, v, ctx.cu_lengths, max(ctx.lengths), scale)
             if out is not None:
                 return (out[ctx.last] if ctx.last_only else out).reshape(-1, q.shape[1] * q.shape[2])

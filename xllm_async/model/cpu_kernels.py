@@ -52,6 +52,7 @@ _loaded: bool | None = None  # None: not tried yet
 # (packed prompts) and prefix_attention (a beam round's prompt stage).
 _varlen = None
 _prefix = None
+_cached = None  # varlen_attention_cached: prompts after a cached prefix (model/prefix_cache.py)
 _topk = None  # torch.ops.xllm.topk_logsumexp, where this CPU has AVX512-BF16
 _decode = None  # torch.ops.xllm.decode_attention, likewise
 # Where torch.ops.xllm.linear loaded and computed right: the instruction set it runs on here
@@ -134,19 +135,22 @@ def _working_attention():
     """Our attention operators if this build has them (CPUs with AVX512-BF16) and they run here."""
     varlen = getattr(torch.ops.xllm, "varlen_attention", None)
     prefix = getattr(torch.ops.xllm, "prefix_attention", None)
-    if varlen is not None and prefix is not None:
+    cached = getattr(torch.ops.xllm, "varlen_attention_cached", None)
+    if varlen is not None and prefix is not None and cached is not None:
         try:  # (the kernels ask Linux for AMX state on their first call; a refusal raises)
             x = torch.zeros(2, 1, 16, dtype=torch.bfloat16)
             varlen(x, x, x, [2], 1.0, False)
             prefix(x, x[None, :, 0], x[None, :, 0], 1.0)
+            slab = torch.zeros(1, 1, 2, 16, dtype=torch.bfloat16)  # [prompts, kv_heads, capacity, dim]
+            cached(x[:1], slab, slab, [1], [2], 1.0, False)
         except RuntimeError as exc:
             log.warning("attention kernels unusable here: %s", exc)
-            varlen = prefix = None
+            varlen = prefix = cached = None
     if varlen is not None:  # (built for the same instruction set as our linear: linear_isa says which)
         log.info("packed attention: our %s kernels, one call a batch", ISA_NAMES[torch.ops.xllm.linear_isa()])
     else:
         log.info("packed attention: torch's kernel, a call per prompt length (no AVX512-BF16 here)")
-    return varlen, prefix
+    return varlen, prefix, cached
 
 
 def _working_linear() -> str | None:
@@ -194,13 +198,14 @@ def _working_float32_fused() -> bool:
 
 def available() -> bool:
     """Load the library (building it first if needed) once per process; False where that fails."""
-    global _loaded, _failure, _varlen, _prefix, _topk, _decode, _linear_isa, _float32_linear, _float32_fused
+    global _loaded, _failure, _varlen, _prefix, _cached, _topk, _decode, _linear_isa, _float32_linear
+    global _float32_fused
     with _lock:
         if _loaded is None:
             try:
                 torch.ops.load_library(build())
                 _loaded = True
-                _varlen, _prefix = _working_attention()
+                _varlen, _prefix, _cached = _working_attention()
                 _topk = getattr(torch.ops.xllm, "topk_logsumexp", None)
                 _decode = getattr(torch.ops.xllm, "decode_attention", None)
                 _linear_isa = _working_linear()
@@ -217,7 +222,7 @@ def verified() -> dict[str, bool]:
     (the tests fail, not skip, a False on a CPU with instruction_sets())."""
     loaded = available()
     return {"elementwise": loaded, "float32 elementwise": loaded and _float32_fused,
-            "packed attention": loaded and _varlen is not None and _prefix is not None,
+            "packed attention": loaded and all(k is not None for k in (_varlen, _prefix, _cached)),
             "beam top-k": loaded and _topk is not None, "decode attention": loaded and _decode is not None,
             "linear": loaded and _linear_isa is not None, "float32 linear": loaded and _float32_linear}
 
@@ -241,6 +246,12 @@ def our_float32_linear() -> bool:
 def varlen_attention():
     """Our packed causal attention (csrc/varlen_attention.cpp) once the library is loaded, or None."""
     return _varlen if _loaded else None
+
+
+def cached_attention():
+    """Our packed causal attention for prompts after a cached prefix (csrc/varlen_attention.cpp:
+    their keys read from their cache rows) once loaded, or None."""
+    return _cached if _loaded else None
 
 
 def topk_logsumexp():

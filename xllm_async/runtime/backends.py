@@ -31,7 +31,7 @@ def choose_attention(device: torch.device, dtype: torch.dtype, head_dim: int, gr
             (cpu_kernels.varlen_attention, cpu_kernels.decode_attention, cpu_kernels.prefix_attention), wanted)]
         if not any(kernels):
             return attention.SdpaAttention(dtype)
-        return attention.CpuKernelAttention(dtype, *kernels)
+        return attention.CpuKernelAttention(dtype, *kernels, cached=cpu_kernels.cached_attention())
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         flash = attention.FlashVarlen()
         if flash.fn is not None:

@@ -85,6 +85,7 @@ class TransformersRunner:
     packed = False  # left-padded: a batch costs rows x its longest prompt
     shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
     kv_tokens = 0  # until set_kv_cache: no budget
+    caches_prefixes = False  # no prefix cache: every prompt is computed whole
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
         started = time.monotonic()
@@ -122,17 +123,19 @@ class TransformersRunner:
     def topk_logsumexp(self) -> None:
         return None
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
         """transformers' caches grow by concatenation, with no arena: the budget is what admission
         counts (XLLM_KV_CACHE_BYTES, or the device's default, shared by the slots), so that no
         request makes them grow past it."""
         total = total_bytes or default_kv_cache_bytes(self.device)
+        if prefix_share:
+            log.info("prefix cache: none on the transformers engine (XLLM_PREFIX_CACHE applies to ours)")
         self.kv_tokens = total // slots // self.token_bytes
         log.info("key/value cache budget: %d slot(s) x %d tokens (%d bytes a token, from the config)", slots,
                  self.kv_tokens, self.token_bytes)
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0, into: KvCache | None = None,
-                between_layers=None) -> tuple[torch.Tensor, KvCache | None]:
+                between_layers=None, cached: list[int] | None = None) -> tuple[torch.Tensor, KvCache | None]:
         """Run the prompts; return last-position logits [rows, vocab] and, if asked
         (capacity > 0 or into), their cache (into: merged below into's rows). between_layers is
         never called here: transformers' forward has no place for it (cores move between steps)."""
@@ -140,7 +143,7 @@ class TransformersRunner:
         return logits, kv
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: KvCache | None,
-                       scored: list[int | None], between_layers=None):
+                       scored: list[int | None], between_layers=None, cached: list[int] | None = None):
         """prefill(), and for each prompt i with scored[i] set, its PromptScores (as ModelRunner's).
         transformers computes every position's logits of the batch, [rows, longest, vocab]."""
         every, logits, kv = self._run(prompts, capacity, into, True)
@@ -183,9 +186,10 @@ class TransformersRunner:
 
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 
-    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None):
+    def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None,
+                     cached: list[int] | None = None):
         """Returns (logits [prompts, vocab] as the "hidden states", state); logits() slices them."""
-        logits, kv = self.prefill(prompts, capacity=1 if rounds > 1 else 0)
+        logits, kv = self.prefill(prompts, capacity=1 if rounds > 1 else 0, cached=cached)
         return logits, _CopiedBeams(kv, len(prompts))
 
     def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],

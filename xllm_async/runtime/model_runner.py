@@ -27,6 +27,7 @@ from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
 from ..model.kv_cache import KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
+from ..model.prefix_cache import BLOCK_TOKENS, PrefixStore
 from ..model.scoring import score_prompt
 from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, on_host
 from .checkpoint import eos_ids, resolve_dtype
@@ -83,6 +84,7 @@ class ModelRunner:
         self.eos_token_ids = eos_ids(self.tokenizer, generation, self.config)
         self.kv_layout = KvLayout(shape.layers, shape.kv_heads, shape.head_dim, self.dtype)
         self.kv_tokens = 0  # per slot, set by set_kv_cache()
+        self.prefix_store: PrefixStore | None = None  # shared by the slots (set_kv_cache)
         self._local = threading.local()
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s on our own model code, %s, vocab %d, context %d",
@@ -104,12 +106,23 @@ class ModelRunner:
             log.info("%d oneDNN kernels for batches of over %d rows compiled in %.1f s", kernels, WARM_FROM,
                      time.monotonic() - started)
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int) -> None:
-        """Size every slot's arena: total_bytes (None: the device's default) shared by the slots."""
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_store is not None
+
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
+        """Size every slot's arena: total_bytes (None: the device's default) shared by the slots,
+        less prefix_share of it for the prefix cache (model/prefix_cache.py; 0: none)."""
         total = total_bytes or default_kv_cache_bytes(self.device)
-        self.kv_tokens = total // slots // self.kv_layout.token_bytes
+        token_bytes = self.kv_layout.token_bytes
+        blocks = int(total * prefix_share) // (BLOCK_TOKENS * token_bytes)
+        self.prefix_store = PrefixStore(self.kv_layout, blocks, self.device) if blocks else None
+        self.kv_tokens = (total - blocks * BLOCK_TOKENS * token_bytes) // slots // token_bytes
         log.info("key/value cache: %d slot(s) x %d tokens (%.0f MiB each, %d bytes a token)", slots,
-                 self.kv_tokens, self.kv_tokens * self.kv_layout.token_bytes / 2**20, self.kv_layout.token_bytes)
+                 self.kv_tokens, self.kv_tokens * token_bytes / 2**20, token_bytes)
+        if blocks:
+            log.info("prefix cache: %d blocks of %d tokens (%.0f MiB), shared by the slots", blocks, BLOCK_TOKENS,
+                     blocks * BLOCK_TOKENS * token_bytes / 2**20)
 
     def _arena(self) -> KvArena:
         arena = getattr(self._local, "arena", None)
@@ -150,21 +163,25 @@ class ModelRunner:
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0,
                 into: SlabCache | None = None, between_layers: Callable[[], None] | None = None,
-                ) -> tuple[torch.Tensor, SlabCache | None]:
+                cached: list[int] | None = None) -> tuple[torch.Tensor, SlabCache | None]:
         """Run the prompts packed; return last-position logits [rows, vocab] and the cache.
 
         capacity > 0 keeps their keys in a cache with room for that many tokens a row;
         into appends them as new rows of an existing cache (the continuous scheduler).
+        cached: gets each prompt's tokens that came from the prefix cache, where there is one (only
+        prompts with a cache use it: a prefill without one, of one-token requests, computes them all).
         """
-        hidden, cache, _ = self._packed(prompts, capacity, into, None, between_layers)
+        hidden, cache, _ = self._packed(prompts, capacity, into, None, between_layers, cached)
         return self.model.logits(hidden), cache
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
                        scored: list[int | None], between_layers: Callable[[], None] | None = None,
-                       ) -> tuple[torch.Tensor, SlabCache | None, list]:
+                       cached: list[int] | None = None) -> tuple[torch.Tensor, SlabCache | None, list]:
         """prefill(), and for each prompt i with scored[i] set, its PromptScores with the
-        scored[i] likeliest alternatives at every position (None for the others)."""
-        hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored], between_layers)
+        scored[i] likeliest alternatives at every position (None for the others, which may find
+        a cached prefix: a scored prompt needs every position's logits, so it computes them all)."""
+        hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored], between_layers,
+                                          cached)
         head = self.model.logits
         scores, row = [], 0
         for prompt, top in zip(prompts, scored):
@@ -177,7 +194,7 @@ class ModelRunner:
         return head(hidden[ctx.last_kept]), cache, scores
 
     def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
-                whole: list[bool] | None, between_layers: Callable[[], None] | None,
+                whole: list[bool] | None, between_layers: Callable[[], None] | None, cached: list[int] | None,
                 ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
         lengths = [len(p) for p in prompts]
         cache, first = into, 0
@@ -186,8 +203,30 @@ class ModelRunner:
             if cache is None:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
-        ctx = PackedPrefill(self.attention, lengths, self.device, cache, first, whole)
-        return self._forward(list(itertools.chain.from_iterable(prompts)), ctx, between_layers), cache, ctx
+        hidden, ctx = self._prefill_rows(prompts, cache, first, whole, between_layers, cached)
+        return hidden, cache, ctx
+
+    def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
+                      between_layers: Callable[[], None] | None, cached: list[int] | None,
+                      ) -> tuple[torch.Tensor, PackedPrefill]:
+        """The prompts' forward, their keys into rows first.. of cache (None: none kept). With a prefix
+        cache, each prompt's cached prefix goes into its row first and only the rest is computed."""
+        store = self.prefix_store if cache is not None else None
+        hits = store.claim(prompts, cache.slabs, first, whole) if store is not None else []
+        try:
+            skips = [hit.tokens for hit in hits] or [0] * len(prompts)
+            ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
+                                cache, first, whole, skips)
+            tokens = list(itertools.chain.from_iterable(p[skip:] for p, skip in zip(prompts, skips)))
+            hidden = self._forward(tokens, ctx, between_layers)
+            if store is not None:  # (a prefill that failed keeps nothing)
+                store.keep_all(prompts, hits, cache.slabs, first)
+        finally:
+            if hits:
+                store.release_all(hits)
+        if cached is not None and self.prefix_store is not None:
+            cached.extend(skips)
+        return hidden, ctx
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
                ) -> torch.Tensor:
@@ -200,9 +239,10 @@ class ModelRunner:
     # --- beam search (engine/beam.py): the prompt's keys once, each beam's own tokens apart ---
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
-                     between_layers: Callable[[], None] | None = None):
+                     between_layers: Callable[[], None] | None = None, cached: list[int] | None = None):
         """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
-        widths: the most beams each request will have; rounds: the most rounds any request runs.
+        widths: the most beams each request will have; rounds: the most rounds any request runs;
+        cached: as prefill()'s (a single round keeps no cache, and so finds no prefix either).
 
         Both caches come out of this slot's arena, as admission counted them (BeamRequest):
         the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
@@ -214,8 +254,7 @@ class ModelRunner:
             cache.add_rows(lengths, max(lengths))
             # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
             own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        ctx = PackedPrefill(self.attention, lengths, self.device, cache)
-        hidden = self._forward(list(itertools.chain.from_iterable(prompts)), ctx, between_layers)
+        hidden, _ = self._prefill_rows(prompts, cache, 0, None, between_layers, cached)
         return hidden, BeamState(cache, lengths, own)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],

@@ -518,23 +518,25 @@ inline void copy_query(const Packed<T>& a, Scratch<T>& s, int i, const T* q) {
   if (a.wide > a.dim) std::memset(qs + a.dim, 0, (a.wide - a.dim) * sizeof(T));
 }
 
-// One sequence (tokens [start, start + length)) and one key head: its queries from position
-// `first` on (length - 1: its last token only), written from out row `out_row` on. Rows are
-// (position, head of the group), position-major.
+// One sequence and one key head: its `keys` keys and values (kv), its queries the last q_len of
+// them (q's tokens [q_start, q_start + q_len): a prompt whose first keys came from the prefix
+// cache, or all of them), from query `first` on (q_len - 1: the last only), written from out row
+// `out_row` on. Rows are (position, head of the group), position-major; a query sees the keys up
+// to its own, so its sums are those of the same token computed with the whole prompt.
 template <typename T>
-void attend_one(const Packed<T>& a, Scratch<T>& s, int64_t start, int64_t length, int64_t kv_head, int64_t first,
-                int64_t out_row) {
+void attend_one(const Packed<T>& a, Scratch<T>& s, const KeySpan<T>& kv, int64_t keys, int64_t q_start, int64_t q_len,
+                int64_t kv_head, int64_t first, int64_t out_row) {
   const int64_t group = a.heads / a.kv_heads;
-  const int64_t padded = (length + 31) / 32 * 32;
+  const int64_t padded = (keys + 31) / 32 * 32;
+  const int64_t before = keys - q_len;  // keys ahead of the first query (the cached prefix)
   s.fit(padded, a.wide);
-  pack(a, s, {a.k + start * a.k_stride + kv_head * a.dim, a.v + start * a.v_stride + kv_head * a.dim, a.k_stride,
-              a.v_stride}, length, padded);
-  attend_rows(a, s, (length - first) * group, [&](int64_t row, Block<T>& b, int i) {
+  pack(a, s, kv, keys, padded);
+  attend_rows(a, s, (q_len - first) * group, [&](int64_t row, Block<T>& b, int i) {
     int64_t pos = first + row / group, head = kv_head * group + row % group;
-    copy_query(a, s, i, a.q + (start + pos) * a.q_stride + head * a.dim);
+    copy_query(a, s, i, a.q + (q_start + pos) * a.q_stride + head * a.dim);
     b.out[i] = a.out + ((out_row + pos - first) * a.heads + head) * a.dim;
     b.lse[i] = nullptr;
-    b.seen[i] = pos + 1;
+    b.seen[i] = before + pos + 1;
   });
 }
 
@@ -580,8 +582,10 @@ void varlen_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   auto run = [&](int64_t begin, int64_t end, int64_t step) {
     Worker<T> w;
     for (int64_t item = begin; item < end; item += step) {
-      int64_t seq = item / kv_heads, head = item % kv_heads, n = lengths[seq];
-      attend_one(a, w.s, starts[seq], n, head, last_only ? n - 1 : 0, last_only ? seq : starts[seq]);
+      int64_t seq = item / kv_heads, head = item % kv_heads, n = lengths[seq], start = starts[seq];
+      const KeySpan<T> kv{a.k + start * a.k_stride + head * dim, a.v + start * a.v_stride + head * dim, a.k_stride,
+                          a.v_stride};
+      attend_one(a, w.s, kv, n, start, n, head, last_only ? n - 1 : 0, last_only ? seq : start);
     }
   };
   xllm_parallel::interleaved_items(items, run);
@@ -616,6 +620,69 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
     varlen_into<bf16>(q, k, v, lengths, starts, static_cast<float>(scale), last_only, out);
   } else {
     varlen_into<float>(q, k, v, lengths, starts, static_cast<float>(scale), last_only, out);
+  }
+  return out;
+}
+
+template <typename T>
+void cached_into(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef q_lengths,
+                 at::IntArrayRef kv_lengths, const std::vector<int64_t>& starts, float scale, bool last_only,
+                 at::Tensor& out) {
+  const int64_t heads = q.size(1), kv_heads = keys.size(1), dim = q.size(2);
+  Packed<T> a{elements<T>(q), nullptr, nullptr, reinterpret_cast<T*>(out.data_ptr()), q.stride(0), 0, 0, heads,
+              kv_heads, dim, wide_for<T>(dim), scale};
+  const int64_t items = static_cast<int64_t>(starts.size()) * kv_heads;
+  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+    Worker<T> w;
+    for (int64_t item = begin; item < end; item += step) {
+      int64_t seq = item / kv_heads, head = item % kv_heads, n = q_lengths[seq], start = starts[seq];
+      const KeySpan<T> kv{elements<T>(keys) + seq * keys.stride(0) + head * keys.stride(1),
+                          elements<T>(values) + seq * values.stride(0) + head * values.stride(1), dim, dim};
+      attend_one(a, w.s, kv, kv_lengths[seq], start, n, head, last_only ? n - 1 : 0, last_only ? seq : start);
+    }
+  };
+  xllm_parallel::interleaved_items(items, run);
+}
+
+// Prompts whose first keys came from the prefix cache: q [tokens, heads, dim] holds only each
+// prompt's last q_lengths[i] tokens, packed end to end; keys/values [prompts, kv_heads, capacity,
+// dim] are their cache rows (tokens contiguous, any row and head stride), kv_lengths[i] keys each,
+// the new ones already written -> [tokens, heads, dim], or [prompts, heads, dim] for each one's
+// last token. Each query's sums are those varlen_attention gives the same token of the whole prompt.
+at::Tensor varlen_attention_cached(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                   at::IntArrayRef q_lengths, at::IntArrayRef kv_lengths, double scale,
+                                   bool last_only) {
+  const int64_t dim = q.size(-1);
+  check_dtype(q);
+  check_tokens(q, "q", dim, q);
+  TORCH_CHECK(dim % 16 == 0 && dim <= 512, "head width must be a multiple of 16, at most 512");
+  const int64_t prompts = static_cast<int64_t>(q_lengths.size());
+  for (const at::Tensor* x : {&keys, &values}) {
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == q.scalar_type(),
+                "keys and values must be CPU tensors of q's dtype");
+    TORCH_CHECK(x->dim() == 4 && x->size(3) == dim && x->stride(3) == 1 && x->stride(2) == dim &&
+                    x->sizes() == keys.sizes() && x->size(0) >= prompts,
+                "keys and values must be [prompts, kv_heads, capacity, dim] alike with contiguous tokens");
+  }
+  const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = keys.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must group over key heads");
+  TORCH_CHECK(static_cast<int64_t>(kv_lengths.size()) == prompts, "a key length for every prompt");
+  std::vector<int64_t> starts;
+  int64_t total = 0;
+  for (int64_t i = 0; i < prompts; ++i) {
+    TORCH_CHECK(q_lengths[i] > 0, "every prompt needs a token");
+    TORCH_CHECK(kv_lengths[i] >= q_lengths[i] && kv_lengths[i] <= keys.size(2),
+                "a prompt's keys are its queries and what precedes them, within the cache's capacity");
+    starts.push_back(total);
+    total += q_lengths[i];
+  }
+  TORCH_CHECK(total == tokens, "query lengths must add up to the tokens");
+  auto out = at::empty({last_only ? prompts : tokens, heads, dim}, q.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(amx_permitted(), "this process may not use AMX (arch_prctl refused)");
+    cached_into<bf16>(q, keys, values, q_lengths, kv_lengths, starts, static_cast<float>(scale), last_only, out);
+  } else {
+    cached_into<float>(q, keys, values, q_lengths, kv_lengths, starts, static_cast<float>(scale), last_only, out);
   }
   return out;
 }
@@ -683,11 +750,14 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
   m.def("varlen_attention(Tensor q, Tensor k, Tensor v, int[] lengths, float scale, bool last_only) -> Tensor");
   m.def("prefix_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.def("varlen_attention_cached(Tensor q, Tensor keys, Tensor values, int[] q_lengths, int[] kv_lengths, "
+        "float scale, bool last_only) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xllm, CPU, m) {
   m.impl("varlen_attention", &varlen_attention);
   m.impl("prefix_attention", &prefix_attention);
+  m.impl("varlen_attention_cached", &varlen_attention_cached);
 }
 
 #endif  // __AVX512BF16__

@@ -1,0 +1,211 @@
+"""The prefix cache: prompts' keys and values kept after their prefill, so that a later prompt
+that starts with the same tokens prefills only the rest (vLLM's automatic prefix caching).
+
+A prompt is cut into blocks of BLOCK_TOKENS tokens. Block i is found by its chain key,
+hash((block i-1's chain key, block i's token ids)): a block is found only where every token
+before it is the same, so the longest cached prefix is the run of blocks found from the first.
+Hash chains rather than a radix tree because a lookup is then one dictionary probe a block, and
+a block's place in memory does not depend on which prompt stored it. A hit also compares the
+block's token ids and its parent's chain key: a wrong hit would need two different prefixes whose
+64-bit chain keys collide.
+
+One store serves every execution slot (their threads look up and store concurrently): a pool of
+blocks [layers, 2, kv_heads, blocks, BLOCK_TOKENS, head_dim] out of XLLM_KV_CACHE_BYTES,
+evicted least recently used. A batch's cache stays a rectangle of per-sequence slabs
+(kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill, and a
+prompt's new full blocks copied from its slab after it. Laid out so, consecutive blocks are one
+run of tokens in every layer and head, as a slab is, and a prompt's blocks (taken together, in
+order) go to and from its slab in one copy, not one a block. A block being copied is pinned and
+never evicted. A prompt always computes at least its last token (its logits are what the prefill
+is for), so at most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from .kv_cache import KvLayout
+
+# Tokens a block: a multiple of 16, so that a cached prefix ends on a whole vector of keys in
+# our attention kernel (csrc/varlen_attention.cpp); small, so that a history that grew by a few
+# tokens finds all but its last few tokens.
+BLOCK_TOKENS = 32
+
+
+class PrefixHit:
+    """One prompt's lookup: the chain key of each of its full blocks, and the store's blocks that
+    hold its longest cached prefix (pinned until PrefixStore.release)."""
+
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self, keys: list[int], blocks: list[int]) -> None:
+        self.keys = keys
+        self.blocks = blocks
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the prompt its cached blocks hold."""
+        return len(self.blocks) * BLOCK_TOKENS
+
+
+def chain_keys(prompt: list[int]) -> list[int]:
+    """The chain key of each full block of the prompt."""
+    keys, parent = [], 0
+    for start in range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        parent = hash((parent, tuple(prompt[start:start + BLOCK_TOKENS])))
+        keys.append(parent)
+    return keys
+
+
+class PrefixStore:
+    """Blocks of prompts' keys and values shared by every slot (see the module's docstring).
+    Thread-safe: the index, pins and recency live under one lock; copies run outside it, on
+    blocks pinned for them."""
+
+    def __init__(self, layout: KvLayout, blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.capacity = blocks
+        self.device = device
+        self._pool: torch.Tensor | None = None  # allocated by the first store
+        self._lock = threading.Lock()
+        self._index: dict[int, int] = {}  # chain key -> block
+        self._recency: OrderedDict[int, None] = OrderedDict()  # indexed blocks, least recently used first
+        self._pins = [0] * blocks
+        self._identity: list[tuple | None] = [None] * blocks  # (chain key, parent key, token ids) of each block
+        self._free = list(range(blocks - 1, -1, -1))
+
+    @property
+    def block_bytes(self) -> int:
+        return BLOCK_TOKENS * self.layout.token_bytes
+
+    @property
+    def used(self) -> int:
+        """Blocks that hold a prompt's keys."""
+        return len(self._index)
+
+    def match(self, prompt: list[int], look: bool = True) -> PrefixHit:
+        """The prompt's chain keys and its longest cached prefix of at most (length - 1) // BLOCK_TOKENS
+        blocks (none unless `look`), pinned. Release the hit once its blocks are copied."""
+        keys = chain_keys(prompt)
+        blocks: list[int] = []
+        if not look:
+            return PrefixHit(keys, blocks)
+        with self._lock:
+            parent = 0
+            for i, key in enumerate(keys[:(len(prompt) - 1) // BLOCK_TOKENS]):
+                block = self._index.get(key)
+                if block is None or self._identity[block] != (key, parent,
+                                                               tuple(prompt[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])):
+                    break
+                blocks.append(block)
+                parent = key
+            for block in reversed(blocks):  # (the first block the most recent: keep())
+                self._recency.move_to_end(block)
+                self._pins[block] += 1
+        return PrefixHit(keys, blocks)
+
+    def load(self, hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
+        """Copy the hit's blocks into the first tokens of cache row `row` (slabs: SlabCache.slabs)."""
+        for i, block, count in _runs(list(enumerate(hit.blocks))):
+            slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS] = self._blocks(block, count)
+
+    def _blocks(self, block: int, count: int) -> torch.Tensor:
+        """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim]."""
+        return self._pool[:, :, :, block:block + count].flatten(3, 4)
+
+    def keep(self, prompt: list[int], hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
+        """After the prompt's prefill wrote its keys into cache row `row`: copy its full blocks that
+        the store lacks into it, as far as blocks can be freed (pinned ones never are)."""
+        with self._lock:
+            if self._pool is None and self.capacity:
+                lay = self.layout
+                self._pool = torch.empty(lay.layers, 2, lay.kv_heads, self.capacity, BLOCK_TOKENS, lay.head_dim,
+                                         dtype=lay.dtype, device=self.device)
+            missing, taken = [], []
+            for i in range(len(hit.blocks), len(hit.keys)):
+                if hit.keys[i] in self._index:
+                    continue
+                block = self._take()
+                if block is None:
+                    break
+                self._pins[block] += 1  # (not indexed yet: no lookup finds it while it is written)
+                missing.append(i)
+                taken.append(block)
+            wanted = list(zip(missing, sorted(taken)))  # (in order: as few runs to copy as can be)
+        for i, block, count in _runs(wanted):
+            self._blocks(block, count).copy_(slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS])
+        with self._lock:
+            for i, block in wanted:
+                self._pins[block] -= 1
+                key = hit.keys[i]
+                if key in self._index:  # another slot stored the same block meanwhile
+                    self._free.append(block)
+                    continue
+                self._index[key] = block
+                self._identity[block] = (key, hit.keys[i - 1] if i else 0,
+                                         tuple(prompt[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]))
+                self._recency[block] = None
+            # The prompt's first block the most recent, its last the least: eviction takes a chain
+            # from its end (a block whose parent went is found by no lookup, and waits to be evicted).
+            for key in reversed(hit.keys):
+                block = self._index.get(key)
+                if block is not None:
+                    self._recency.move_to_end(block)
+
+    def release(self, hit: PrefixHit) -> None:
+        """The hit's blocks were copied: they may be evicted again."""
+        if hit.blocks:
+            with self._lock:
+                for block in hit.blocks:
+                    self._pins[block] -= 1
+
+    def _take(self) -> int | None:
+        """A block to write (under the lock): a free one, else the least recently used unpinned one."""
+        if self._free:
+            return self._free.pop()
+        for block in self._recency:
+            if not self._pins[block]:
+                del self._recency[block]
+                del self._index[self._identity[block][0]]
+                self._identity[block] = None
+                return block
+        return None
+
+    def claim(self, prompts: list[list[int]], slabs: torch.Tensor, first: int,
+              whole: list[bool] | None = None) -> list[PrefixHit]:
+        """A batch's lookups, its prompts in cache rows first.. of slabs: each prompt's longest cached
+        prefix copied into its row (none for a prompt whose every position is scored: whole[i]).
+        Release them (release_all) once the prefill is done."""
+        hits = []
+        try:
+            for i, prompt in enumerate(prompts):
+                hits.append(self.match(prompt, look=not (whole and whole[i])))
+                self.load(hits[-1], slabs, first + i)
+        except BaseException:
+            self.release_all(hits)
+            raise
+        return hits
+
+    def keep_all(self, prompts: list[list[int]], hits: list[PrefixHit], slabs: torch.Tensor, first: int) -> None:
+        """keep() for each prompt of a batch after its prefill."""
+        for i, (prompt, hit) in enumerate(zip(prompts, hits)):
+            self.keep(prompt, hit, slabs, first + i)
+
+    def release_all(self, hits: list[PrefixHit]) -> None:
+        for hit in hits:
+            self.release(hit)
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(block of the prompt, block of the store) pairs -> runs consecutive in both: (first of the
+    prompt, first of the store, count)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
