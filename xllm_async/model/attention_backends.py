@@ -30,8 +30,8 @@ FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 # In bfloat16 (and float16) torch's fused CPU attention runs on oneDNN micro-kernels that it
 # compiles for each shape of block it meets, a block's rows and keys being what is left of a
 # sequence after whole blocks, and keeps for good, in every thread. Prompts of any length met
-# new shapes without end (a thread grew by 190 MB over 1,800 prefills of 30-2,000 tokens), and
-# odd lengths ran slower too. So there, sequences reach the kernel in multiples of
+# new shapes without end (each thread's memory grew with them: perf/RESULTS.md, "The soak"),
+# and odd lengths ran slower too. So there, sequences reach the kernel in multiples of
 # ATTENTION_MULTIPLE tokens. Float32 takes another path, and neither grows nor gains.
 ATTENTION_MULTIPLE = 16
 

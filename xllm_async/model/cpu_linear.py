@@ -123,8 +123,8 @@ WARM_FROM = 512
 def warm_onednn(model: nn.Module, max_rows: int, thread_counts: set[int]) -> int:
     """Compile oneDNN's kernels for the larger batches once, at start-up: every padded row count
     from WARM_FROM up to max_rows (a batch's most tokens), for each layer shape and each thread
-    count a slot runs with. Met one by one as traffic grows, they were most of a 10,000-request
-    soak's growth (96 kernels of ~0.6 MB, the last in its final tenth). Returns how many were
+    count a slot runs with. Met one by one as traffic grows, they were most of a long soak's
+    growth in memory. Returns how many were
     compiled; the calling thread's thread count is restored."""
     layers = {}
     for module in model.modules():

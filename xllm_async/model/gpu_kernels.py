@@ -67,7 +67,7 @@ def _build():
                     table_stride, eps, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK: tl.constexpr):
         # One token a program, all its heads at once: a program a (token, head) moved 128 values
-        # and ran 6x below the memory's bandwidth (H200: 4.7 ms a 8,000-token prefill, 56 calls).
+        # and ran far below the memory's bandwidth (perf/RESULTS.md, "GPU (H200)").
         token = tl.program_id(0)
         head = tl.arange(0, BLOCK_H)[:, None]
         cols = tl.arange(0, BLOCK)[None, :]
