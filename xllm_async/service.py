@@ -125,7 +125,7 @@ class Service:
             self.metrics.add(Gauge("process_resident_memory_bytes", "Resident memory of this process.",
                                    resident_memory_bytes))
         self.metrics.add(ProcessFigures())
-        store = getattr(self.runner, "prefix_store", None)
+        store = self.runner.prefix_store
         if store is not None:
             self.metrics.add(Gauge("prefix_cache_bytes", "Bytes of XLLM_KV_CACHE_BYTES the prefix cache holds.",
                                    lambda: store.capacity * store.block_bytes))

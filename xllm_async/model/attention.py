@@ -50,7 +50,7 @@ class PackedPrefill:
     tokens are computed: lengths[i] of them)."""
 
     __slots__ = ("backend", "lengths", "cached", "kv_lengths", "groups", "positions", "last", "cache", "first_row",
-                 "last_only", "scoring", "last_kept", "cu_lengths")
+                 "last_only", "scoring", "last_kept", "cu_lengths", "masks")
 
     def __init__(self, backend, lengths: list[int], device: torch.device, cache: SlabCache | None = None,
                  first_row: int = 0, whole: list[bool] | None = None, cached: list[int] | None = None) -> None:
@@ -86,6 +86,7 @@ class PackedPrefill:
             self.last_kept = torch.tensor(last_kept, device=device)
         self.cache = cache
         self.first_row = first_row
+        self.masks: dict = {}  # a backend's masks, made at the first layer and read by the others
         self.last_only = False  # set by the model for its last layer: only last tokens' outputs matter
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -101,7 +101,9 @@ class SdpaAttention:
                                                      enable_gqa=True)
             elif skip:  # after a cached prefix: torch's is_causal aligns the queries with the first keys
                 rows, keys = self.span(length), self.span(skip + length)
-                mask = _after(skip, length, rows, keys, q.device)
+                mask = ctx.masks.get((skip, length))
+                if mask is None:
+                    mask = ctx.masks[skip, length] = _after(skip, length, rows, keys, q.device)
                 out = F.scaled_dot_product_attention(_pad_tokens(qg.transpose(1, 2), rows), _pad_tokens(kg, keys),
                                                      _pad_tokens(vg, keys), attn_mask=mask, scale=scale,
                                                      enable_gqa=True)[:, :, :length]

@@ -86,6 +86,7 @@ class TransformersRunner:
     shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
     kv_tokens = 0  # until set_kv_cache: no budget
     caches_prefixes = False  # no prefix cache: every prompt is computed whole
+    prefix_store = None
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
         started = time.monotonic()

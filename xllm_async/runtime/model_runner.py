@@ -217,7 +217,8 @@ class ModelRunner:
             skips = [hit.tokens for hit in hits] or [0] * len(prompts)
             ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
                                 cache, first, whole, skips)
-            tokens = list(itertools.chain.from_iterable(p[skip:] for p, skip in zip(prompts, skips)))
+            rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
+            tokens = list(itertools.chain.from_iterable(rest))
             hidden = self._forward(tokens, ctx, between_layers)
             if store is not None:  # (a prefill that failed keeps nothing)
                 store.keep_all(prompts, hits, cache.slabs, first)
