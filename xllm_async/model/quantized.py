@@ -110,6 +110,10 @@ class QuantWeight:
             w = w + self.mins.float()[..., None]
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias), in x's dtype: what layers.Linear calls for a quantized weight."""
+        return self.reference_linear(x, bias)
+
     def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias) in float32, returned in x's dtype: what the kernels must match."""
         out = torch.nn.functional.linear(x.float(), self.dequantize(), None if bias is None else bias.float())
