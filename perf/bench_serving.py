@@ -31,6 +31,11 @@ A request fails on a status other than 200, a broken connection, an error event,
 that ends without `[DONE]`. Failures are counted and the first error is printed; every other
 figure is computed over the successful requests.
 
+`--dataset-name generated-shared-prefix` is SGLang's dataset of that name (`--gsp-num-groups`
+system prompts of `--gsp-system-prompt-len` tokens, `--gsp-prompts-per-group` questions of
+`--gsp-question-len` after each, `--gsp-output-len` tokens out; shuffled): what a prefix cache
+is for. Defaults 16 x 16, 1,024 + 64 tokens in, 16 out.
+
 Generative recommendation (`--beam-width`, `--num-return-sequences`): beam searches over
 token-id prompts, whole responses, `--random-output` rounds. With an item table they return
 items: `--item-table-out PATH` writes a semantic-id table (`--item-table-items` items of
@@ -154,6 +159,27 @@ def make_random_prompts(tokenizer, num: int, input_len: int, output_len: int, ra
         ids = rng.choices(vocab, k=prompt_len)
         prompt = ids if prompt_format == "ids" else text_of_length(tokenizer, ids, vocab, rng)
         prompts.append(Prompt(prompt, prompt_len, out_len))
+    return prompts
+
+
+def make_shared_prefix_prompts(tokenizer, groups: int, per_group: int, system_len: int, question_len: int,
+                               output_len: int, seed: int = 0, prompt_format: str = "ids") -> list[Prompt]:
+    """SGLang's `generated-shared-prefix` dataset: `groups` system prompts of system_len random
+    tokens, each followed by per_group questions of question_len; shuffled (groups interleave, as
+    users of several applications arrive). A server with a prefix cache computes each system prompt
+    once; one without computes it per request. Token ids only: text re-drawn to an exact length
+    would no longer share its prefix token for token."""
+    if prompt_format != "ids":
+        raise ValueError("the generated-shared-prefix dataset is sent as token ids (prompt_format 'ids')")
+    rng = random.Random(seed)
+    vocab = ordinary_token_ids(tokenizer)
+    prompts = []
+    for _ in range(groups):
+        system = rng.choices(vocab, k=system_len)
+        for _ in range(per_group):
+            ids = system + rng.choices(vocab, k=question_len)
+            prompts.append(Prompt(ids, len(ids), output_len))
+    rng.shuffle(prompts)
     return prompts
 
 
@@ -841,8 +867,13 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             raise BenchmarkError("--item-table needs --beam-width: items come back from beam searches")
         items = read_item_table(args.item_table)
         args.random_output = items.item_length  # one round per codebook: the server refuses any other max_tokens
-    prompts = make_random_prompts(tokenizer, args.num_prompts, args.random_input, args.random_output,
-                                  args.random_range_ratio, args.seed, prompt_format)
+    if args.dataset_name == "generated-shared-prefix":
+        prompts = make_shared_prefix_prompts(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                             args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
+                                             args.seed, prompt_format)
+    else:
+        prompts = make_random_prompts(tokenizer, args.num_prompts, args.random_input, args.random_output,
+                                      args.random_range_ratio, args.seed, prompt_format)
     if items is not None:  # whatever the range ratio drew
         prompts = [p._replace(output_len=items.item_length) for p in prompts]
     metrics = await benchmark(
@@ -858,6 +889,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     if items is not None:
         metrics.update(item_table=os.path.abspath(args.item_table), item_count=len(items.items),
                        item_length=items.item_length)
+    if args.dataset_name == "generated-shared-prefix":
+        metrics.update(dataset_name=args.dataset_name, gsp=[args.gsp_num_groups, args.gsp_prompts_per_group,
+                                                             args.gsp_system_prompt_len, args.gsp_question_len,
+                                                             args.gsp_output_len])
     metrics.update(random_input=args.random_input, random_output=args.random_output,
                    random_range_ratio=args.random_range_ratio, prompt_format=prompt_format, seed=args.seed)
     return metrics
@@ -885,6 +920,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--tokenizer", help="local tokenizer folder (default: --model-path, else the served "
                                           "model's root from /v1/models when that is a local folder)")
     data.add_argument("--model-path", help="local folder of the served model, for its tokenizer")
+    data.add_argument("--dataset-name", choices=("random", "generated-shared-prefix"), default="random",
+                      help="random prompts, or SGLang's shared system prompts (the --gsp-* flags)")
+    data.add_argument("--gsp-num-groups", type=int, default=16, help="system prompts")
+    data.add_argument("--gsp-prompts-per-group", type=int, default=16, help="questions after each")
+    data.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    data.add_argument("--gsp-question-len", type=int, default=64)
+    data.add_argument("--gsp-output-len", type=int, default=16)
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--random-input", type=int, default=1024, help="prompt tokens")
     data.add_argument("--random-output", type=int, default=128, help="output tokens")

@@ -67,11 +67,23 @@ def test_range_ratio_one_gives_the_exact_lengths(tokenizer):
     assert all(len(tokenizer.encode(p.prompt, add_special_tokens=False)) == 200 for p in prompts)
 
 
+def test_shared_prefix_prompts_share_their_group_s_system_prompt(tokenizer):
+    prompts = bench.make_shared_prefix_prompts(tokenizer, 3, 4, 40, 6, 2, seed=1)
+    assert len(prompts) == 12 and {(p.prompt_len, p.output_len) for p in prompts} == {(46, 2)}
+    systems = [tuple(p.prompt[:40]) for p in prompts]
+    assert len(set(systems)) == 3 and all(systems.count(s) == 4 for s in systems)
+    assert len({tuple(p.prompt) for p in prompts}) == 12
+    assert systems[:4] != [systems[0]] * 4 or systems[4:8] != [systems[4]] * 4  # shuffled: groups interleave
+    assert prompts == bench.make_shared_prefix_prompts(tokenizer, 3, 4, 40, 6, 2, seed=1)
+
+
 def test_bad_dataset_settings_are_refused(tokenizer):
     with pytest.raises(ValueError, match="range_ratio"):
         bench.make_random_prompts(tokenizer, 1, 8, 8, range_ratio=1.5)
     with pytest.raises(ValueError, match="prompt_format"):
         bench.make_random_prompts(tokenizer, 1, 8, 8, prompt_format="words")
+    with pytest.raises(ValueError, match="token ids"):
+        bench.make_shared_prefix_prompts(tokenizer, 1, 1, 8, 8, 1, prompt_format="text")
 
 
 # --- figures ---
