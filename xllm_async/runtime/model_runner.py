@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
-from ..model.kv_cache import KvArena, KvLayout, SlabCache
+from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixStore
@@ -278,47 +278,6 @@ class ModelRunner:
     def topk_logsumexp(self):
         """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (engine/runner.py)."""
         return self._beam_topk
-
-
-class BeamState:
-    """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
-    row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
-    the tokens the beams generated, both in the slot's arena (None with a single
-    round, which needs no cache). Reordering beams moves only `own`.
-
-    widths/starts: the rows each request had in the last round fed (one, its
-    prompt, after the prefill).
-    """
-
-    __slots__ = ("prompts", "lengths", "widths", "starts", "own", "step")
-
-    def __init__(self, prompts: SlabCache | None, lengths: list[int], own: torch.Tensor | None) -> None:
-        self.prompts = prompts
-        self.lengths = lengths
-        self.widths = [1] * len(lengths)
-        self.starts = list(range(len(lengths) + 1))
-        self.own = own
-        self.step = 0  # own tokens every beam has stored
-
-    def follow(self, parents: list[int], widths: list[int]) -> None:
-        """The new beams continue these rows of the last round: their own keys move with them."""
-        if self.step and parents != list(range(len(parents))):
-            index = torch.tensor(parents, device=self.own.device)
-            self.own[:, :, :len(parents), :, :self.step] = self.own[:, :, index, :, :self.step]
-        self.widths = widths
-        self.starts = list(itertools.accumulate(widths, initial=0))
-
-    def keep(self, requests: list[int]) -> None:
-        """Keep only these requests (indices, in order): their prompt rows and their beams."""
-        rows = [b for r in requests for b in range(self.starts[r], self.starts[r + 1])]
-        if self.prompts is not None:
-            self.prompts.select(requests)
-        if self.step and rows != list(range(len(rows))):
-            index = torch.tensor(rows, device=self.own.device)
-            self.own[:, :, :len(rows), :, :self.step] = self.own[:, :, index, :, :self.step]
-        self.lengths = [self.lengths[r] for r in requests]
-        self.widths = [self.widths[r] for r in requests]
-        self.starts = list(itertools.accumulate(self.widths, initial=0))
 
 
 def _generation_config(model_dir: str):
