@@ -20,10 +20,10 @@ POISON = 4242  # a prompt holding this token id makes the forward raise
 
 
 class FaultyRunner(ModelRunner):
-    def prefill(self, prompts, capacity=0, into=None, between_layers=None, cached=None):
+    def prefill(self, prompts, capacity=0, into=None, between_layers=None, cached=None, hits=None):
         if any(POISON in p for p in prompts):
             raise RuntimeError("injected: out of memory")
-        return super().prefill(prompts, capacity, into, between_layers, cached)
+        return super().prefill(prompts, capacity, into, between_layers, cached, hits)
 
     def decode(self, kv, tokens, between_layers=None):
         if POISON in tokens:
