@@ -22,6 +22,7 @@ from xllm_async.runtime.model_runner import ModelRunner
 from xllm_async.service import Service
 
 from .client import post
+from .conftest import ServerProcess
 from .test_generation import random_prompts
 from .test_prefix_cache import fresh, make_runner, store_aside
 from .test_robustness import open_stream, reset
@@ -243,3 +244,73 @@ async def test_a_shutdown_with_requests_in_prefill_and_waiting_leaves_no_pin(pat
     await stopping
     await asyncio.gather(held, waiting, return_exceptions=True)
     assert store.pinned == 0
+
+
+# --- through the real server: every kind of request uses the cache and answers as cold ---
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "logprobs": 2}
+
+
+def ask(server, prompt: list[int], **fields) -> dict:
+    status, body, _ = post(server.port, "/v1/completions", {"prompt": prompt, **fields})
+    assert status == 200, body
+    return body
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_served_one_token_requests_find_their_prefix_and_answer_as_cold(cached_server, server):
+    prompt = random_prompts(41, [150])[0]
+    cold = ask(server, prompt, max_tokens=1, **GREEDY)
+    first, again = (ask(cached_server, prompt, max_tokens=1, **GREEDY) for _ in range(2))
+    assert (cached_tokens(first), cached_tokens(again)) == (0, 4 * B)
+    assert first["choices"] == again["choices"] == cold["choices"]
+
+
+def test_served_single_round_beams_find_their_prefix_and_answer_as_cold(cached_server, server, request):
+    if "continuous" in request.node.callspec.id:
+        pytest.skip("the continuous scheduler runs no beam searches")
+    history = random_prompts(42, [150])[0]
+    body = {"beam_width": 4, "num_return_sequences": 4, "max_tokens": 1}
+    cold = ask(server, history + [9], **body)
+    ask(cached_server, history, **body)
+    grown = ask(cached_server, history + [9], **body)
+    assert cached_tokens(grown) == 4 * B and grown["choices"] == cold["choices"]
+
+
+def test_served_scored_prompts_compute_whole_score_as_cold_and_store_their_blocks(cached_server, server):
+    prompt = random_prompts(43, [150])[0]
+    body = {"max_tokens": 2, "echo": True, **GREEDY}
+    cold = ask(server, prompt, **body)
+    first, again = (ask(cached_server, prompt, **body) for _ in range(2))
+    assert (cached_tokens(first), cached_tokens(again)) == (0, 0)  # every position's logits computed
+    assert first["choices"] == again["choices"] == cold["choices"]
+    assert cached_tokens(ask(cached_server, prompt + [5], max_tokens=2, **GREEDY)) == 4 * B  # stored by the scored ones
+
+
+@pytest.fixture(scope="module")
+def item_servers(tiny_model_dir, tmp_path_factory):
+    """Two servers with one item table, the prefix cache on and off."""
+    from .test_beam_search import ITEMS
+
+    table = tmp_path_factory.mktemp("items") / "items.tsv"
+    table.write_text("".join(f"sku-{i}\t{' '.join(map(str, key))}\n" for i, key in enumerate(ITEMS)))
+    started = [ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)],
+                             env={"XLLM_PREFIX_CACHE": cache, "XLLM_KV_CACHE_BYTES": "64M"}) for cache in ("on", "off")]
+    yield started
+    for server in started:
+        server.stop()
+
+
+def test_item_table_beams_on_a_growing_cached_history_answer_as_without_the_cache(item_servers):
+    """Generative recommendation: a user's next request is their history plus a few interactions."""
+    on, off = item_servers
+    history = random_prompts(44, [200])[0]
+    body = {"beam_width": 8, "num_return_sequences": 4, "max_tokens": 3}
+    for grown in (history, history + [11, 12, 13], history + [11, 12, 13, 14, 15]):
+        cached, cold = ask(on, grown, **body), ask(off, grown, **body)
+        assert cached["choices"] == cold["choices"]
+        assert all("item_id" in choice for choice in cached["choices"])
+    assert cached_tokens(cached) == (len(grown) - 1) // B * B
