@@ -150,8 +150,9 @@ class SlabCache:
 class BeamState:
     """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
     row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
-    the tokens the beams generated, both in the slot's arena (None with a single
-    round, which needs no cache). Reordering beams moves only `own`.
+    the tokens the beams generated, both in the slot's arena (own None with a single
+    round, and prompts too unless a prefix cache needs their slabs). Reordering beams
+    moves only `own`.
 
     widths/starts: the rows each request had in the last round fed (one, its
     prompt, after the prefill).

@@ -15,9 +15,10 @@ evicted least recently used. A batch's cache stays a rectangle of per-sequence s
 (kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill, and a
 prompt's new full blocks copied from its slab after it. Laid out so, consecutive blocks are one
 run of tokens in every layer and head, as a slab is, and a prompt's blocks (taken together, in
-order) go to and from its slab in one copy, not one a block. A block being copied is pinned and
-never evicted. A prompt always computes at least its last token (its logits are what the prefill
-is for), so at most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
+order) go to and from its slab in one copy, not one a block. A block is pinned, never evicted,
+from a request's admission to the end of its prefill (BatchBudget.take), and while it is copied.
+A prompt always computes at least its last token (its logits are what the prefill is for), so at
+most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 """
 
 from __future__ import annotations
