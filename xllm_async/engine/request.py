@@ -61,13 +61,18 @@ class QueuedRequest:
         (Engine.submit): whatever they make fail fails this request alone, never a batch."""
 
 
-@contextlib.contextmanager
+_NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)
+
+
 def admitted_prefixes(runner, requests: list[QueuedRequest]):
     """Their prefill's block: yields each request's prefix-cache hit from admission (None where the
-    runner caches no prefixes), and unpins them after it, whether it returned or raised."""
-    if not runner.caches_prefixes:
-        yield None
-        return
+    runner caches no prefixes: then nothing else runs), and unpins them after it, whether it
+    returned or raised."""
+    return _unpinned_after(runner, requests) if runner.caches_prefixes else _NO_PREFIXES
+
+
+@contextlib.contextmanager
+def _unpinned_after(runner, requests: list[QueuedRequest]):
     try:
         yield [req.prefix for req in requests]
     finally:
