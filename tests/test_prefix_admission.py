@@ -188,6 +188,10 @@ async def test_done_and_failed_prefills_leave_no_pin(path_runner, scheduler):
         status, body, _ = await asyncio.to_thread(complete, service.http.port, history + [POISON])
         assert "injected" in str(body) and path_runner.pinned_in_prefill[-1] == 4
         assert store.pinned == 0
+        # Concurrent ones: batches, and under continuous, rows joining a running batch.
+        answers = await asyncio.gather(*(asyncio.to_thread(complete, service.http.port, history + [n], 3 + n)
+                                         for n in range(6)))
+        assert all(status == 200 for status, _, _ in answers) and store.pinned == 0
     finally:
         path_runner.gate.set()
         await service.shutdown()
