@@ -181,3 +181,14 @@ def any_server(request, servers) -> ServerProcess:
 def server(servers) -> ServerProcess:
     """The default configuration (fixed_steps, N=2)."""
     return servers("fixed_steps-N2")
+
+
+@pytest.fixture(scope="module", params=["fixed_steps-N2", "continuous-N1"])
+def cached_server(request, tiny_model_dir):
+    """A server with the prefix cache on, under each scheduler (the store lives as long as the module's tests)."""
+    scheduler, slots = {"fixed_steps-N2": ("fixed_steps", "2"), "continuous-N1": ("continuous", "1")}[request.param]
+    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--scheduler", scheduler,
+                            "--concurrent-execute-stream-num", slots],
+                           env={"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"})
+    yield server
+    server.stop()

@@ -14,7 +14,6 @@ from xllm_async.model.attention_backends import SdpaAttention
 from xllm_async.model.prefix_cache import BLOCK_TOKENS, PrefixStore
 
 from .client import post
-from .conftest import ServerProcess
 from .hold import wait_until
 from .test_generation import random_prompts
 from .test_robustness import aborts, metric, open_stream, reset
@@ -278,16 +277,6 @@ def test_bfloat16_gives_the_same_tokens(tiny_model_dir):
 
 
 # --- through the real server ---
-
-@pytest.fixture(scope="module", params=["fixed_steps-N2", "continuous-N1"])
-def cached_server(request, tiny_model_dir):
-    scheduler, slots = {"fixed_steps-N2": ("fixed_steps", "2"), "continuous-N1": ("continuous", "1")}[request.param]
-    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--scheduler", scheduler,
-                            "--concurrent-execute-stream-num", slots],
-                           env={"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"})
-    yield server
-    server.stop()
-
 
 def complete(server, prompt: list[int], **extra) -> dict:
     status, body, _ = post(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,

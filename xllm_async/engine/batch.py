@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .request import Delta, EngineRequest
+from .request import Delta, EngineRequest, admitted_prefixes
 from .runner import Runner
 from .sampling import sample
 
@@ -54,14 +54,15 @@ class GenerationBatch:
         scored = [r.params.prompt_logprobs for r in requests]
         cached: list[int] = []  # (each prompt's tokens found in the prefix cache, where there is one)
         try:
-            if any(k is not None for k in scored):  # (scoring: every position's logits of these prompts)
-                logits, self.kv, scores = self.runner.prefill_scored(prompts, capacity, kv, scored,
-                                                                     between_layers=self.between_layers, cached=cached)
-                for req, score in zip(requests, scores):
-                    req.prompt_scores = score
-            else:
-                logits, self.kv = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers,
-                                                      cached=cached)
+            with admitted_prefixes(self.runner, requests) as hits:
+                if any(k is not None for k in scored):  # (scoring: every position's logits of these prompts)
+                    logits, self.kv, scores = self.runner.prefill_scored(
+                        prompts, capacity, kv, scored, between_layers=self.between_layers, cached=cached, hits=hits)
+                    for req, score in zip(requests, scores):
+                        req.prompt_scores = score
+                else:
+                    logits, self.kv = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers,
+                                                          cached=cached, hits=hits)
         except Exception:
             if into is not None and self.kv is not None:  # the running rows go on; drop half-written ones
                 self.kv.select(list(range(first)))

@@ -1,12 +1,11 @@
 """Beam search for generative recommendation: a short item id (a few tokens)
 found by a wide beam, every request running exactly its number of rounds.
 
-A beam request prefills its prompt once and keeps that cache once; its beams
-keep only their own tokens (the runner's beam calls, model/attention.py's
-BeamDecode). Each round: final hidden states -> logits -> log-probabilities ->
-the best beam_width (beam, token) continuations by cumulative log-probability
--> the beams' own caches follow their parents. EOS is an ordinary token here:
-item ids have a fixed length, so every request runs its rounds to the end.
+A beam request prefills its prompt once and keeps that cache once; its beams keep only their own
+tokens (the runner's beam calls, model/attention.py's BeamDecode). Each round: final hidden states
+-> logits -> log-probabilities -> the best beam_width (beam, token) continuations by cumulative
+log-probability -> the beams' own caches follow their parents. EOS is an ordinary token here: item ids
+have a fixed length, so every request runs its rounds to the end.
 
 With an item table (engine/item_trie.py) every beam may only continue with a token
 that keeps it on an item's path: the LM head is computed for the tokens that occur at
@@ -24,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .request import Delta, QueuedRequest
+from .request import Delta, QueuedRequest, admitted_prefixes
 from .runner import Runner
 
 # Vocabulary columns a beam round without an item table takes at a time (BeamSearchBatch._row_tops).
@@ -131,9 +130,10 @@ class BeamSearchBatch:
             req.started = started
         prompts = [r.prompt_ids for r in self.requests]
         cached: list[int] = []  # (each prompt's tokens found in the prefix cache, where there is one)
-        hidden, self.state = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
-                                                      max(r.rounds for r in self.requests),
-                                                      between_layers=self.between_layers, cached=cached)
+        with admitted_prefixes(self.runner, self.requests) as hits:
+            hidden, self.state = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
+                                                          max(r.rounds for r in self.requests),
+                                                          between_layers=self.between_layers, cached=cached, hits=hits)
         for req, tokens in zip(self.requests, cached):
             req.cached_tokens = tokens
         self.groups = [_Group(req, hidden.device) for req in self.requests]

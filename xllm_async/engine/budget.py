@@ -19,18 +19,25 @@ class BatchBudget:
     (request.own_rows x request.own_tokens), as our runner lays them out. The
     transformers engine copies a beam's prompt into every beam: there a beam
     request is beam_width rows of its prompt and rounds.
+
+    With a prefix cache (prefixes: the runner, where it caches prefixes), a request's
+    prompt tokens are only those its prefill computes: take() pins its cached prefix
+    (Runner.match_prefix) and carries the hit on the request until its prefill
+    releases it. Its cache row still counts the whole prompt, which the prefill
+    copies in: even a request that keeps no cache (one token, one beam round).
     """
 
-    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens", "shared_beam_prompts")
+    __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens", "shared_beam_prompts", "prefixes")
 
     def __init__(self, max_seqs: int, max_tokens: int, packed: bool = False, kv_tokens: int = 0,
-                 shared_beam_prompts: bool | None = None) -> None:
+                 shared_beam_prompts: bool | None = None, prefixes=None) -> None:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.packed = packed
         self.kv_tokens = kv_tokens
         # Runner.shares_beam_prompts (by default, as our packed engine does).
         self.shared_beam_prompts = packed if shared_beam_prompts is None else shared_beam_prompts
+        self.prefixes = prefixes
 
     def take(self, waiting: deque, seqs_in_use: int = 0, limit: int = 0,
              cache_in_use: tuple[int, int] = (0, 0)) -> list:
@@ -61,18 +68,31 @@ class BatchBudget:
             seqs_if_taken = seqs + req.num_seqs
             tokens_if_taken = tokens + req.prefill_tokens
             req_rows, req_tokens, req_own_rows, req_own_tokens = self._cache_shape(req)
+            if self.prefixes is not None:
+                tokens_if_taken -= self._pin_prefix(req)
+                req_tokens = req_tokens or len(req.prompt_ids)
             row_tokens_if_taken = max(row_tokens, req_tokens)
             own_rows_if_taken, own_tokens_if_taken = own_rows + req_own_rows, max(own_tokens, req_own_tokens)
             over = (self._over(seqs_if_taken, tokens_if_taken, longest_if_taken)
                     or self._over_cache((rows + req_rows) * row_tokens_if_taken
                                         + own_rows_if_taken * own_tokens_if_taken))
             if over and (batch or seqs_in_use):
+                if req.prefix is not None:  # it waits on: its blocks may be evicted meanwhile
+                    self.prefixes.release_prefix(req.prefix)
+                    req.prefix = None
                 break
             batch.append(waiting.popleft())
             longest, seqs, tokens = longest_if_taken, seqs_if_taken, tokens_if_taken
             rows, row_tokens = rows + req_rows, row_tokens_if_taken
             own_rows, own_tokens = own_rows_if_taken, own_tokens_if_taken
         return batch
+
+    def _pin_prefix(self, req) -> int:
+        """Pin the request's cached prefix for its prefill: the prompt tokens it spares."""
+        if req.scores_prompt:
+            return 0
+        req.prefix = self.prefixes.match_prefix(req.prompt_ids)
+        return req.prefix.tokens
 
     def cache_alone(self, request) -> int:
         """The cache tokens a request needs in a batch of its own."""

@@ -39,7 +39,8 @@ class Engine:
         self.unfinished: set[QueuedRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
         self.budget = budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed,
-                                           runner.kv_tokens, runner.shares_beam_prompts)
+                                           runner.kv_tokens, runner.shares_beam_prompts,
+                                           runner if runner.caches_prefixes else None)
         if scheduler == "continuous":
             # One batch in flight: the continuous baseline uses the first slot only.
             self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from .detokenizer import IncrementalDetokenizer
@@ -33,10 +34,11 @@ class QueuedRequest:
     """
 
     __slots__ = ("index", "prompt_ids", "sink", "finish_reason", "aborted", "done", "arrival", "started",
-                 "cached_tokens")
+                 "cached_tokens", "prefix")
 
     num_seqs = 1  # rows it holds in a batch
     own_rows = own_tokens = 0  # the cache its beams hold apart from its row (BeamRequest)
+    scores_prompt = False  # its prefill computes every prompt position: no cached prefix serves it
 
     def __init__(self, index: int, prompt_ids: list[int], sink) -> None:
         self.index = index  # the choice index inside its response
@@ -48,6 +50,7 @@ class QueuedRequest:
         self.arrival = time.monotonic()
         self.started = 0.0  # when its batch began prefill (set on the slot thread)
         self.cached_tokens = 0  # prompt tokens its prefill found in the prefix cache (set on the slot thread)
+        self.prefix = None  # its prefix-cache hit, pinned from admission to the end of its prefill (BatchBudget)
 
     def fail(self, message: str) -> Delta:
         self.finish_reason = "error"
@@ -56,6 +59,27 @@ class QueuedRequest:
     def prepare(self, runner) -> None:
         """Build what stepping it needs from its own fields, before it joins a batch
         (Engine.submit): whatever they make fail fails this request alone, never a batch."""
+
+
+_NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)
+
+
+def admitted_prefixes(runner, requests: list[QueuedRequest]):
+    """Their prefill's block: yields each request's prefix-cache hit from admission (None where the
+    runner caches no prefixes: then nothing else runs), and unpins them after it, whether it
+    returned or raised."""
+    return _unpinned_after(runner, requests) if runner.caches_prefixes else _NO_PREFIXES
+
+
+@contextlib.contextmanager
+def _unpinned_after(runner, requests: list[QueuedRequest]):
+    try:
+        yield [req.prefix for req in requests]
+    finally:
+        for req in requests:
+            if req.prefix is not None:
+                runner.release_prefix(req.prefix)
+                req.prefix = None
 
 
 class EngineRequest(QueuedRequest):
@@ -86,6 +110,10 @@ class EngineRequest(QueuedRequest):
     @property
     def prefill_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def cache_tokens(self) -> int:

@@ -32,6 +32,13 @@ class Runner(Protocol):
     kv_tokens: int  # tokens of cache an execution slot may hold (0: no budget set yet)
     caches_prefixes: bool  # a prefix cache serves its prefills (ours, with XLLM_PREFIX_CACHE=on)
 
+    def match_prefix(self, prompt: list[int]) -> object:
+        """Where caches_prefixes, at admission: the prompt's longest cached prefix, pinned (never evicted)
+        until release_prefix(); its `tokens` are the prompt's tokens the prefill will not compute."""
+
+    def release_prefix(self, hit) -> None:
+        """A match_prefix() hit's prefill is over (done, failed or never to run): unpin it."""
+
     def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
         """Size the slots' key/value budget: total_bytes (None: the device's default) shared by the slots,
         less prefix_share of it for a prefix cache shared by them all (where the runner has one)."""
@@ -45,15 +52,17 @@ class Runner(Protocol):
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0, into=None,
                 between_layers: Callable[[], None] | None = None,
-                cached: list[int] | None = None) -> tuple[torch.Tensor, object]:
+                cached: list[int] | None = None, hits: list | None = None) -> tuple[torch.Tensor, object]:
         """Run the prompts; last-position logits [rows, vocab] and, with capacity or into, their cache.
         between_layers (here and in every call that runs a forward): called after each decoder
         layer where the runner has layers of its own, so the engine's CPU core rule acts mid-forward.
         cached: extended with each prompt's tokens served from the prefix cache, where the runner has
-        one (left as it is where not)."""
+        one (left as it is where not). hits: each prompt's match_prefix() hit (or None: the runner
+        looks it up itself); the caller releases them after the call."""
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into, scored: list[int | None],
-                       between_layers: Callable[[], None] | None = None, cached: list[int] | None = None):
+                       between_layers: Callable[[], None] | None = None, cached: list[int] | None = None,
+                       hits: list | None = None):
         """prefill(), and each prompt's PromptScores (model/scoring.py) where scored[i] is set."""
 
     def decode(self, kv, tokens: list[int], between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -61,7 +70,7 @@ class Runner(Protocol):
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
                      between_layers: Callable[[], None] | None = None,
-                     cached: list[int] | None = None) -> tuple[torch.Tensor, object]:
+                     cached: list[int] | None = None, hits: list | None = None) -> tuple[torch.Tensor, object]:
         """Each prompt once; (hidden states [prompts, ...], the beams' state) for logits() and beam_decode()."""
 
     def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],

@@ -9,6 +9,8 @@ live row (one row copied), so the live rows are always the first `rows`.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -46,7 +48,7 @@ class KvArena:
 
     def view(self, row_capacity: int, capacity: int, start: int = 0) -> torch.Tensor:
         """[layers, 2, row_capacity, kv_heads, capacity, head_dim] over the arena from token `start`
-        (a beam batch's own tokens lie after its prompts': model_runner.BeamState)."""
+        (a beam batch's own tokens lie after its prompts': BeamState)."""
         if start + row_capacity * capacity > self.tokens:
             raise MemoryError(f"a cache of {row_capacity} x {capacity} tokens from token {start} exceeds "
                               f"the slot's {self.tokens}")
@@ -143,3 +145,45 @@ class SlabCache:
         self.slabs[:, :, :self.rows, :, :self._max_length] = old
         self.lengths = torch.zeros(row_capacity, dtype=torch.long, device=self.arena.device)
         self.lengths[:self.rows] = lengths
+
+
+class BeamState:
+    """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
+    row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
+    the tokens the beams generated, both in the slot's arena (own None with a single
+    round, and prompts too unless a prefix cache needs their slabs). Reordering beams
+    moves only `own`.
+
+    widths/starts: the rows each request had in the last round fed (one, its
+    prompt, after the prefill).
+    """
+
+    __slots__ = ("prompts", "lengths", "widths", "starts", "own", "step")
+
+    def __init__(self, prompts: SlabCache | None, lengths: list[int], own: torch.Tensor | None) -> None:
+        self.prompts = prompts
+        self.lengths = lengths
+        self.widths = [1] * len(lengths)
+        self.starts = list(range(len(lengths) + 1))
+        self.own = own
+        self.step = 0  # own tokens every beam has stored
+
+    def follow(self, parents: list[int], widths: list[int]) -> None:
+        """The new beams continue these rows of the last round: their own keys move with them."""
+        if self.step and parents != list(range(len(parents))):
+            index = torch.tensor(parents, device=self.own.device)
+            self.own[:, :, :len(parents), :, :self.step] = self.own[:, :, index, :, :self.step]
+        self.widths = widths
+        self.starts = list(itertools.accumulate(widths, initial=0))
+
+    def keep(self, requests: list[int]) -> None:
+        """Keep only these requests (indices, in order): their prompt rows and their beams."""
+        rows = [b for r in requests for b in range(self.starts[r], self.starts[r + 1])]
+        if self.prompts is not None:
+            self.prompts.select(requests)
+        if self.step and rows != list(range(len(rows))):
+            index = torch.tensor(rows, device=self.own.device)
+            self.own[:, :, :len(rows), :, :self.step] = self.own[:, :, index, :, :self.step]
+        self.lengths = [self.lengths[r] for r in requests]
+        self.widths = [self.widths[r] for r in requests]
+        self.starts = list(itertools.accumulate(self.widths, initial=0))

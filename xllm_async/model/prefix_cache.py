@@ -15,9 +15,10 @@ evicted least recently used. A batch's cache stays a rectangle of per-sequence s
 (kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill, and a
 prompt's new full blocks copied from its slab after it. Laid out so, consecutive blocks are one
 run of tokens in every layer and head, as a slab is, and a prompt's blocks (taken together, in
-order) go to and from its slab in one copy, not one a block. A block being copied is pinned and
-never evicted. A prompt always computes at least its last token (its logits are what the prefill
-is for), so at most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
+order) go to and from its slab in one copy, not one a block. A block is pinned, never evicted,
+from a request's admission to the end of its prefill (BatchBudget.take), and while it is copied.
+A prompt always computes at least its last token (its logits are what the prefill is for), so at
+most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 """
 
 from __future__ import annotations
@@ -157,10 +158,18 @@ class PrefixStore:
 
     def release(self, hit: PrefixHit) -> None:
         """The hit's blocks were copied: they may be evicted again."""
-        if hit.blocks:
+        self._pin(hit.blocks, -1)
+
+    def _pin(self, blocks: list[int], by: int) -> None:
+        if blocks:
             with self._lock:
-                for block in hit.blocks:
-                    self._pins[block] -= 1
+                for block in blocks:
+                    self._pins[block] += by
+
+    @property
+    def pinned(self) -> int:
+        """Blocks pinned now (0 whenever no prompt is admitted or being copied)."""
+        return sum(1 for pins in self._pins if pins)
 
     def _take(self) -> int | None:
         """A block to write (under the lock): a free one, else the least recently used unpinned one."""
@@ -175,15 +184,21 @@ class PrefixStore:
         return None
 
     def claim(self, prompts: list[list[int]], slabs: torch.Tensor, first: int,
-              whole: list[bool] | None = None) -> list[PrefixHit]:
+              whole: list[bool] | None = None, held: list[PrefixHit | None] | None = None) -> list[PrefixHit]:
         """A batch's lookups, its prompts in cache rows first.. of slabs: each prompt's longest cached
         prefix copied into its row (none for a prompt whose every position is scored: whole[i]).
-        Release them (release_all) once the prefill is done."""
+        held[i]: prompt i's hit as admission matched it (pinned again here; the caller releases its
+        own pin), or None: matched here. Release them (release_all) once the prefill is done."""
         hits = []
         try:
             for i, prompt in enumerate(prompts):
-                hits.append(self.match(prompt, look=not (whole and whole[i])))
-                self.load(hits[-1], slabs, first + i)
+                hit = held[i] if held is not None else None
+                if hit is None:
+                    hit = self.match(prompt, look=not (whole and whole[i]))
+                else:
+                    self._pin(hit.blocks, 1)
+                hits.append(hit)
+                self.load(hit, slabs, first + i)
         except BaseException:
             self.release_all(hits)
             raise

@@ -136,7 +136,7 @@ class TransformersRunner:
                  self.kv_tokens, self.token_bytes)
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0, into: KvCache | None = None,
-                between_layers=None, cached: list[int] | None = None) -> tuple[torch.Tensor, KvCache | None]:
+                between_layers=None, cached: list[int] | None = None, hits=None) -> tuple[torch.Tensor, KvCache | None]:
         """Run the prompts; return last-position logits [rows, vocab] and, if asked
         (capacity > 0 or into), their cache (into: merged below into's rows). between_layers is
         never called here: transformers' forward has no place for it (cores move between steps)."""
@@ -144,7 +144,7 @@ class TransformersRunner:
         return logits, kv
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: KvCache | None,
-                       scored: list[int | None], between_layers=None, cached: list[int] | None = None):
+                       scored: list[int | None], between_layers=None, cached: list[int] | None = None, hits=None):
         """prefill(), and for each prompt i with scored[i] set, its PromptScores (as ModelRunner's).
         transformers computes every position's logits of the batch, [rows, longest, vocab]."""
         every, logits, kv = self._run(prompts, capacity, into, True)
@@ -188,7 +188,7 @@ class TransformersRunner:
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None,
-                     cached: list[int] | None = None):
+                     cached: list[int] | None = None, hits=None):
         """Returns (logits [prompts, vocab] as the "hidden states", state); logits() slices them."""
         logits, kv = self.prefill(prompts, capacity=1 if rounds > 1 else 0, cached=cached)
         return logits, _CopiedBeams(kv, len(prompts))

@@ -24,10 +24,10 @@ from transformers import AutoConfig, AutoTokenizer
 from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
-from ..model.kv_cache import KvArena, KvLayout, SlabCache
+from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.loader import load_model
-from ..model.prefix_cache import BLOCK_TOKENS, PrefixStore
+from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
 from ..model.scoring import score_prompt
 from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, on_host
 from .checkpoint import eos_ids, resolve_dtype
@@ -110,6 +110,13 @@ class ModelRunner:
     def caches_prefixes(self) -> bool:
         return self.prefix_store is not None
 
+    def match_prefix(self, prompt: list[int]) -> PrefixHit:
+        """Admission (BatchBudget.take): the prompt's longest cached prefix, pinned until release_prefix."""
+        return self.prefix_store.match(prompt)
+
+    def release_prefix(self, hit: PrefixHit) -> None:
+        self.prefix_store.release(hit)
+
     def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
         """Size every slot's arena: total_bytes (None: the device's default) shared by the slots,
         less prefix_share of it for the prefix cache (model/prefix_cache.py; 0: none)."""
@@ -163,25 +170,26 @@ class ModelRunner:
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0,
                 into: SlabCache | None = None, between_layers: Callable[[], None] | None = None,
-                cached: list[int] | None = None) -> tuple[torch.Tensor, SlabCache | None]:
+                cached: list[int] | None = None, hits: list | None = None) -> tuple[torch.Tensor, SlabCache | None]:
         """Run the prompts packed; return last-position logits [rows, vocab] and the cache.
 
         capacity > 0 keeps their keys in a cache with room for that many tokens a row;
         into appends them as new rows of an existing cache (the continuous scheduler).
-        cached: gets each prompt's tokens that came from the prefix cache, where there is one (only
-        prompts with a cache use it: a prefill without one, of one-token requests, computes them all).
+        cached: gets each prompt's tokens that came from the prefix cache, where there is one.
+        hits: the prompts' match_prefix() hits from admission (a None entry, or none: matched here).
         """
-        hidden, cache, _ = self._packed(prompts, capacity, into, None, between_layers, cached)
+        hidden, cache, _ = self._packed(prompts, capacity, into, None, between_layers, cached, hits)
         return self.model.logits(hidden), cache
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
                        scored: list[int | None], between_layers: Callable[[], None] | None = None,
-                       cached: list[int] | None = None) -> tuple[torch.Tensor, SlabCache | None, list]:
+                       cached: list[int] | None = None, hits: list | None = None,
+                       ) -> tuple[torch.Tensor, SlabCache | None, list]:
         """prefill(), and for each prompt i with scored[i] set, its PromptScores with the
         scored[i] likeliest alternatives at every position (None for the others, which may find
         a cached prefix: a scored prompt needs every position's logits, so it computes them all)."""
         hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored], between_layers,
-                                          cached)
+                                          cached, hits)
         head = self.model.logits
         scores, row = [], 0
         for prompt, top in zip(prompts, scored):
@@ -195,24 +203,31 @@ class ModelRunner:
 
     def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
                 whole: list[bool] | None, between_layers: Callable[[], None] | None, cached: list[int] | None,
-                ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
+                hits: list | None) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
         lengths = [len(p) for p in prompts]
         cache, first = into, 0
-        if capacity or into is not None:
+        if capacity or into is not None or self._slab_for_prefixes(lengths):
             capacity = max(capacity, max(lengths))
             if cache is None:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
-        hidden, ctx = self._prefill_rows(prompts, cache, first, whole, between_layers, cached)
+        hidden, ctx = self._prefill_rows(prompts, cache, first, whole, between_layers, cached, hits)
         return hidden, cache, ctx
 
+    def _slab_for_prefixes(self, lengths: list[int]) -> bool:
+        """Whether prompts that need no cache of their own (one token each, a single beam round) get
+        one anyway: with a prefix cache, for their prefix to be copied into and their blocks kept
+        from, where this slot's arena holds them (admission counts it: BatchBudget.take)."""
+        return self.prefix_store is not None and len(lengths) * max(lengths) <= self.kv_tokens
+
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
-                      between_layers: Callable[[], None] | None, cached: list[int] | None,
+                      between_layers: Callable[[], None] | None, cached: list[int] | None, held: list | None,
                       ) -> tuple[torch.Tensor, PackedPrefill]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept). With a prefix
-        cache, each prompt's cached prefix goes into its row first and only the rest is computed."""
+        cache, each prompt's cached prefix (held[i], else matched now) goes into its row first and
+        only the rest is computed."""
         store = self.prefix_store if cache is not None else None
-        hits = store.claim(prompts, cache.slabs, first, whole) if store is not None else []
+        hits = store.claim(prompts, cache.slabs, first, whole, held) if store is not None else []
         try:
             skips = [hit.tokens for hit in hits] or [0] * len(prompts)
             ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
@@ -240,22 +255,24 @@ class ModelRunner:
     # --- beam search (engine/beam.py): the prompt's keys once, each beam's own tokens apart ---
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
-                     between_layers: Callable[[], None] | None = None, cached: list[int] | None = None):
+                     between_layers: Callable[[], None] | None = None, cached: list[int] | None = None,
+                     hits: list | None = None):
         """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
         widths: the most beams each request will have; rounds: the most rounds any request runs;
-        cached: as prefill()'s (a single round keeps no cache, and so finds no prefix either).
+        cached, hits: as prefill()'s.
 
         Both caches come out of this slot's arena, as admission counted them (BeamRequest):
         the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
         lengths = [len(p) for p in prompts]
         cache = own = None
-        if rounds > 1:
+        if rounds > 1 or self._slab_for_prefixes(lengths):
             arena = self._arena()
             cache = SlabCache(arena, len(prompts), max(lengths))
             cache.add_rows(lengths, max(lengths))
+        if rounds > 1:
             # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
             own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        hidden, _ = self._prefill_rows(prompts, cache, 0, None, between_layers, cached)
+        hidden, _ = self._prefill_rows(prompts, cache, 0, None, between_layers, cached, hits)
         return hidden, BeamState(cache, lengths, own)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
@@ -278,47 +295,6 @@ class ModelRunner:
     def topk_logsumexp(self):
         """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (engine/runner.py)."""
         return self._beam_topk
-
-
-class BeamState:
-    """The caches of a batch of beam requests: each prompt's keys once (a SlabCache
-    row per request), and `own` [layers, 2, beams, kv_heads, rounds - 1, dim] for
-    the tokens the beams generated, both in the slot's arena (None with a single
-    round, which needs no cache). Reordering beams moves only `own`.
-
-    widths/starts: the rows each request had in the last round fed (one, its
-    prompt, after the prefill).
-    """
-
-    __slots__ = ("prompts", "lengths", "widths", "starts", "own", "step")
-
-    def __init__(self, prompts: SlabCache | None, lengths: list[int], own: torch.Tensor | None) -> None:
-        self.prompts = prompts
-        self.lengths = lengths
-        self.widths = [1] * len(lengths)
-        self.starts = list(range(len(lengths) + 1))
-        self.own = own
-        self.step = 0  # own tokens every beam has stored
-
-    def follow(self, parents: list[int], widths: list[int]) -> None:
-        """The new beams continue these rows of the last round: their own keys move with them."""
-        if self.step and parents != list(range(len(parents))):
-            index = torch.tensor(parents, device=self.own.device)
-            self.own[:, :, :len(parents), :, :self.step] = self.own[:, :, index, :, :self.step]
-        self.widths = widths
-        self.starts = list(itertools.accumulate(widths, initial=0))
-
-    def keep(self, requests: list[int]) -> None:
-        """Keep only these requests (indices, in order): their prompt rows and their beams."""
-        rows = [b for r in requests for b in range(self.starts[r], self.starts[r + 1])]
-        if self.prompts is not None:
-            self.prompts.select(requests)
-        if self.step and rows != list(range(len(rows))):
-            index = torch.tensor(rows, device=self.own.device)
-            self.own[:, :, :len(rows), :, :self.step] = self.own[:, :, index, :, :self.step]
-        self.lengths = [self.lengths[r] for r in requests]
-        self.widths = [self.widths[r] for r in requests]
-        self.starts = list(itertools.accumulate(self.widths, initial=0))
 
 
 def _generation_config(model_dir: str):
