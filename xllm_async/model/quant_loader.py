@@ -6,6 +6,7 @@ the tied embedding read the plain head: llama.CausalLM.logits)."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -30,6 +31,7 @@ _PARTS = {
 _TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head"}
 
 Weight = torch.Tensor | QuantWeight
+log = logging.getLogger("xllm_async.model")
 
 
 def quantize_linears(model: CausalLM, kind: str = "q8_0") -> None:
@@ -133,6 +135,9 @@ def _fused(path: str, ours: str, pieces: dict[int | None, Weight], offsets: list
     kinds = {v.kind if isinstance(v, QuantWeight) else None for v in values}
     if len(kinds) == 1 and None not in kinds:
         return QuantWeight.stack(values)
+    if kinds != {None}:  # (one matrix holds one format: a fused matrix of mixed parts runs plain)
+        log.warning("%s: %s's parts are in %s; it runs de-quantized", path, ours,
+                    ", ".join(sorted(k or "plain" for k in kinds)))
     return torch.cat([_plain(v) for v in values])
 
 
