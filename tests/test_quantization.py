@@ -271,7 +271,7 @@ def test_default_model_served_from_its_gguf_knows_paris():
     try:
         status, body, _ = post(server.port, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 30, "temperature": 0})
+            "max_tokens": 12, "temperature": 0})  # (few: the reference linear is slow)
         assert status == 200, body
         assert "Paris" in body["choices"][0]["message"]["content"]
         assert "weights: gguf blocks (q4_1" in server.log()
