@@ -172,8 +172,15 @@ def test_int8_answers_as_the_weights_it_rounds_to(q8_model_dir, tiny_model_dir):
     assert served.weights["quantized_bytes"].keys() == {"q8_0"} and served.model.quant_lm_head is not None
     _assert_same_logits(_prefill_logits(served), _prefill_logits(ModelRunner(q8_model_dir, CPU, "float32")))
     # On weights it really rounds, near the plain model's (this random model's large weights magnify errors)
-    rounded = _prefill_logits(ModelRunner(tiny_model_dir, CPU, "float32", "int8"))
-    _assert_same_logits(rounded, _prefill_logits(ModelRunner(tiny_model_dir, CPU, "float32")), 0.1)
+    runner = ModelRunner(tiny_model_dir, CPU, "float32", "int8")
+    _assert_same_logits(_prefill_logits(runner), _prefill_logits(ModelRunner(tiny_model_dir, CPU, "float32")), 0.1)
+    # and every way to the logits (an item table's tokens, a block of columns) computes the rounded head's
+    hidden = torch.randn(3, runner.model.shape.hidden)
+    with torch.inference_mode():
+        whole = runner.logits(hidden)
+        tokens = torch.tensor([5, 700, 64, 151000])
+        assert torch.allclose(runner.logits(hidden, tokens), whole[:, tokens], atol=1e-4)
+        assert torch.allclose(runner.logits(hidden, columns=(64, 192)), whole[:, 64:192], atol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,16 @@ log = logging.getLogger("xllm_async.model")
 
 def quantize_linears(model: CausalLM, kind: str = "q8_0") -> None:
     """Every linear's weight and the LM head's rounded into `kind` blocks (the linears' plain
-    weights dropped; the LM head's kept, as CausalLM.logits reads it for item tables)."""
+    weights dropped). The plain LM head, which CausalLM.logits reads for an item table's tokens,
+    takes the rounded values too, so that every path computes the same logits (tied, the
+    embedding takes them, as a GGUF file's quantized token table does)."""
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, Linear) and module.weight is not None:
                 module.quant = _rounded(name, module.weight, kind)
                 module.weight = None
         model.quant_lm_head = _rounded("lm_head", model.lm_head, kind)
+        model.lm_head.copy_(model.quant_lm_head.dequantize(model.lm_head.dtype))
 
 
 def _rounded(name: str, weight: torch.Tensor, kind: str) -> QuantWeight:
