@@ -5,6 +5,7 @@ in float32 the answers must agree to float rounding."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -132,6 +133,14 @@ def test_gguf_blocks_answer_as_the_weights_they_dequantize_to(gguf_folder):
     assert layers[1].attn.qkv.quant is None  # (its v was F16: the matrix is plain, and packed as plain ones are)
     assert served.model.quant_lm_head.kind == "q8_0"
     _assert_same_logits(_prefill_logits(served), _prefill_logits(plain))
+
+
+def test_a_folder_of_a_gguf_file_without_safetensors_serves_it(gguf_folder, tmp_path):
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    shutil.copytree(gguf_folder, tmp_path / "only-gguf", ignore=shutil.ignore_patterns("*.safetensors"))
+    served = ModelRunner(str(tmp_path / "only-gguf"), CPU, "float32", "gguf")
+    _assert_same_logits(_prefill_logits(served), _prefill_logits(ModelRunner(gguf_folder, CPU, "float32")))
 
 
 def test_gguf_source_in_the_folder_named_by_it_or_the_default_models(tmp_path, gguf_folder):
