@@ -98,8 +98,8 @@ def _packable(module: nn.Module) -> bool:
 def pack_linears(model: nn.Module, kind: str) -> int:
     """Lay out every Linear's weight (and the LM head, as a copy: item tables and the tied
     embedding read the plain one) for `kind` once; returns how many Linears were packed. Quantized
-    ones (Linear.quant, CausalLM.quant_lm_head) keep their blocks. Only
-    bfloat16 layers keep oneDNN's layout beside ours (PackedWeight), so only they pad their rows."""
+    ones (Linear.quant, CausalLM.quant_lm_head) keep their blocks. Only bfloat16 layers keep
+    oneDNN's layout beside ours (PackedWeight), so only they pad their rows."""
     count = 0
     onednn = False
     with torch.no_grad():

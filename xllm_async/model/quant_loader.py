@@ -96,8 +96,8 @@ def load_gguf_model(path: str, config, device: torch.device, dtype: torch.dtype)
     model = empty_model(config, device, dtype)
     shape = model.shape
     reader = GGUFReader(path)
-    field = reader.fields.get("general.architecture")
-    permuted = field is not None and field.contents() == "llama"  # (llama.cpp permutes Llama's q, k only)
+    field = reader.fields.get("general.architecture")  # (a string: its bytes are the part data[0] names)
+    permuted = field is not None and bytes(field.parts[field.data[0]]) == b"llama"  # (llama.cpp permutes Llama's only)
     parts: dict[str, dict[int | None, Weight]] = {}
     for tensor in reader.tensors:
         target = _gguf_target(tensor.name)
