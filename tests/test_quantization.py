@@ -15,7 +15,7 @@ from xllm_async.model.quant_loader import unpermuted_rows
 from xllm_async.model.quantized import QuantWeight
 
 from .client import get, post
-from .conftest import CONFIGS, ServerProcess
+from .conftest import ServerPool, ServerProcess
 from .test_beam_search import beam_request
 
 gguf = pytest.importorskip("gguf")
@@ -194,17 +194,9 @@ def test_int8_answers_as_the_weights_it_rounds_to(q8_model_dir, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def int8_servers(q8_model_dir):
-    started: dict[str, ServerProcess] = {}
-
-    def get_server(name: str) -> ServerProcess:
-        if name not in started:
-            started[name] = ServerProcess(["--model", q8_model_dir, "--quantization", "int8",
-                                           "--max-seqs-per-batch", "8", *CONFIGS[name]])
-        return started[name]
-
-    yield get_server
-    for server in started.values():
-        server.stop()
+    pool = ServerPool(["--model", q8_model_dir, "--quantization", "int8", "--max-seqs-per-batch", "8"])
+    yield pool
+    pool.stop()
 
 
 @pytest.fixture(scope="module")
