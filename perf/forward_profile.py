@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=servers.DEFAULT_MODEL, help="model folder (default: the tiny Qwen3)")
     parser.add_argument("--devices", default="auto", help="as server.py: auto, cpu, cuda:N or npu:N")
     parser.add_argument("--dtype", default="auto", help="as server.py: auto, float32, bfloat16, float16")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "gguf"),
+                        help="as server.py: the linear layers' weights plain, int8 or the GGUF file's blocks")
     parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 32],
                         help="comma-separated prompts per forward")
     parser.add_argument("--input-len", type=int, default=320, help="tokens per prompt")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except servers.ServerError as exc:
         print(f"forward_profile: {exc}", file=sys.stderr)
         return 1
-    runner = load_runner(model, resolve_device(args.devices), args.dtype)
+    runner = load_runner(model, resolve_device(args.devices), args.dtype, quantization=args.quantization)
     binding = StreamBinding(runner.device, args.cpu_threads or os.cpu_count() or 1)
     binding.enter()  # this thread runs the forwards, as one slot would
     rng = random.Random(0)

@@ -253,13 +253,14 @@ def format_table(records: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Load the model once, then every N in turn; returns every record."""
-    runner = load_runner(args.model, resolve_device(args.devices), args.dtype)
+    runner = load_runner(args.model, resolve_device(args.devices), args.dtype, quantization=args.quantization)
     # The sweep's prompts: the same tokens, in the same order, as the served benchmark sends.
     pool_size = max(max(args.batch_sizes) * 4, 64)
     prompts = bench.make_random_prompts(runner.tokenizer, pool_size, args.input_len, args.output_len, seed=args.seed)
     pool = [p.prompt for p in prompts]
     header = {"model": args.model, "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-              "cpu_count": os.cpu_count(), "seed": args.seed, "date": datetime.now().isoformat(timespec="seconds"),
+              "quantization": args.quantization, "cpu_count": os.cpu_count(), "seed": args.seed,
+              "date": datetime.now().isoformat(timespec="seconds"),
               # Other processes on the cores distort every figure (torch's thread barriers spin): keep the evidence.
               "load_avg_1m": os.getloadavg()[0]}
     records = []
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=servers.DEFAULT_MODEL, help="model folder (default: the sweep's tiny Qwen3)")
     parser.add_argument("--devices", default="auto", help="as server.py: auto, cpu, cuda:N or npu:N")
     parser.add_argument("--dtype", default="auto", help="as server.py: auto, float32, bfloat16, float16")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "gguf"),
+                        help="as server.py: the linear layers' weights plain, int8 or the GGUF file's blocks")
     parser.add_argument("--input-len", type=int, default=sweep.DEFAULT_INPUT, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=sweep.DEFAULT_OUTPUT, help="output tokens per request")
     parser.add_argument("--streams", type=positive_ints, default=[1, 2], help="N slots, comma-separated")

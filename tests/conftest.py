@@ -156,19 +156,29 @@ CONFIGS = {
 }
 
 
+class ServerPool:
+    """Servers of one model and arguments, one per configuration of CONFIGS, each started when a
+    test first asks for it: pool(name)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self.started: dict[str, ServerProcess] = {}
+
+    def __call__(self, name: str) -> ServerProcess:
+        if name not in self.started:
+            self.started[name] = ServerProcess([*self.args, *CONFIGS[name]])
+        return self.started[name]
+
+    def stop(self) -> None:
+        for server in self.started.values():
+            server.stop()
+
+
 @pytest.fixture(scope="session")
 def servers(tiny_model_dir):
-    started: dict[str, ServerProcess] = {}
-
-    def get(name: str) -> ServerProcess:
-        if name not in started:
-            started[name] = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny",
-                                           "--max-seqs-per-batch", "8", *CONFIGS[name]])
-        return started[name]
-
-    yield get
-    for server in started.values():
-        server.stop()
+    pool = ServerPool(["--model", tiny_model_dir, "--served-model-name", "tiny", "--max-seqs-per-batch", "8"])
+    yield pool
+    pool.stop()
 
 
 @pytest.fixture(params=list(CONFIGS), scope="session")

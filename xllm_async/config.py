@@ -25,6 +25,7 @@ class Settings:
     devices: str = "auto"
     dtype: str = "auto"
     engine: str = "auto"
+    quantization: str = "none"
     kv_cache_bytes: int | None = None
     graph_max_tokens: int = 8192
     scheduler: str = "fixed_steps"
@@ -158,6 +159,9 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
               "AVX512-BF16, else float32; on accelerators the model's own"),
     "engine": (_choice("auto", "native", "transformers"),
                "model code: native (ours: Llama, Qwen2, Qwen3) or transformers; auto = native where supported"),
+    "quantization": (_choice("none", "int8", "gguf"),
+                     "CPU, our engine: the linear layers' weights kept quantized; int8 = made at load (GGUF's "
+                     "Q8_0 blocks, the LM head too), gguf = the model's GGUF file's own blocks, as shipped"),
     "kv_cache_bytes": (_optional(_bytes), "key/value cache of all slots together (e.g. 4G); unset = 20% of host "
                                           "memory on CPU, 50% of free device memory on accelerators"),
     "graph_max_tokens": (_int_range(0), "CUDA and NPU: forwards of up to this many tokens replay graphs "

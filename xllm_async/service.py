@@ -61,7 +61,7 @@ class Service:
         model_dir = settings.model or default_model_dir(settings.cache_dir)
         # maybe_hold: the runner itself, unless a test asked for a hold on its forwards (runtime/hold.py).
         try:
-            runner = runner or load_runner(model_dir, device, settings.dtype, settings.engine)
+            runner = runner or load_runner(model_dir, device, settings.dtype, settings.engine, settings.quantization)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.runner = maybe_hold(runner)
@@ -106,6 +106,7 @@ class Service:
         info = {
             "model": self.name, "model_path": model_dir, "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."), "engine": self.runner.engine,
+            "weights": self.runner.weights,
             "kv_cache_tokens_per_slot": self.runner.kv_tokens, "prefix_cache": self.runner.caches_prefixes,
             "scheduler": settings.scheduler,
             "concurrent_execute_stream_num": len(self.slots),

@@ -97,8 +97,9 @@ def _packable(module: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module, kind: str) -> int:
     """Lay out every Linear's weight (and the LM head, as a copy: item tables and the tied
-    embedding read the plain one) for `kind` once; returns how many Linears were packed. Only
-    bfloat16 layers keep oneDNN's layout beside ours (PackedWeight), so only they pad their rows."""
+    embedding read the plain one) for `kind` once; returns how many Linears were packed. Quantized
+    ones (Linear.quant, CausalLM.quant_lm_head) keep their blocks. Only bfloat16 layers keep
+    oneDNN's layout beside ours (PackedWeight), so only they pad their rows."""
     count = 0
     onednn = False
     with torch.no_grad():
@@ -108,7 +109,7 @@ def pack_linears(model: nn.Module, kind: str) -> int:
                 onednn = onednn or module.packed.onednn is not None
                 module.weight = None
                 count += 1
-        if hasattr(model, "packed_lm_head"):
+        if hasattr(model, "packed_lm_head") and getattr(model, "quant_lm_head", None) is None:
             model.packed_lm_head = PackedWeight(model.lm_head, kind, both=False)
         if hasattr(model, "pad_rows"):
             model.pad_rows = onednn

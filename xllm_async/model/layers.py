@@ -10,15 +10,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_linear import CHUNK_ROW_STEP, PackedWeight, in_chunks, packed_linear
+from .quantized import QuantWeight
 
 
 class Linear(nn.Linear):
     """nn.Linear whose weight can be laid out once for this CPU's faster linear
-    (cpu_linear.pack_linears): then `weight` is None and `packed` holds it (PackedWeight)."""
+    (cpu_linear.pack_linears): then `weight` is None and `packed` holds it (PackedWeight); or kept
+    quantized (quant_loader.py): then `weight` is None and `quant` holds its blocks (QuantWeight)."""
 
     packed: PackedWeight | None = None
+    quant: QuantWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -18,6 +18,7 @@ from torch import nn
 
 from .cpu_linear import PackedWeight, packed_linear, rows_padded
 from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .quantized import QuantWeight
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -153,6 +154,8 @@ class CausalLM(nn.Module):
         # vocabulary or a block of its columns; a copy, since subsets of rows (item tables) and the
         # tied embedding read the plain one.
         self.packed_lm_head: PackedWeight | None = None
+        # Or kept quantized (quant_loader.py), for the same logits; the plain one stays for the same reasons.
+        self.quant_lm_head: QuantWeight | None = None
         self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
         self.fused = None  # set by use_fused_kernels
 
@@ -184,6 +187,10 @@ class CausalLM(nn.Module):
         """Logits [rows, vocab]; or [rows, len(tokens)] over only these token ids; or over the
         vocabulary's columns [start, end) (a view of the head's rows, nothing copied). float32
         unless as_float is False (then in the model's dtype)."""
+        if tokens is None and self.quant_lm_head is not None:
+            head = self.quant_lm_head if columns is None else self.quant_lm_head.rows(slice(*columns))
+            logits = head.linear(hidden)
+            return logits.float() if as_float else logits
         if tokens is None and self.packed_lm_head is not None:
             head = self.packed_lm_head if columns is None else self.packed_lm_head.columns(*columns)
             if head is not None:

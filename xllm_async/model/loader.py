@@ -52,7 +52,7 @@ def _target(name: str) -> tuple[str, int | None] | None:
     return None
 
 
-def _fused_offsets(shape: ModelShape, name: str) -> list[int]:
+def fused_offsets(shape: ModelShape, name: str) -> list[int]:
     """Row offsets of the parts of a fused parameter."""
     if ".qkv." in name:
         q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -60,8 +60,8 @@ def _fused_offsets(shape: ModelShape, name: str) -> list[int]:
     return [0, shape.intermediate, 2 * shape.intermediate]
 
 
-def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Build the model from config.json's shape and fill it from the folder's safetensors."""
+def empty_model(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model of config.json's shape, its weights allocated but not yet filled."""
     shape = ModelShape(config)
     with torch.device("meta"):
         model = CausalLM(shape)
@@ -70,6 +70,13 @@ def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype)
         model.lm_head = model.embed.weight
     model.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta,
                                    shape.rope_scaling).to(device)
+    return model
+
+
+def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build the model from config.json's shape and fill it from the folder's safetensors."""
+    model = empty_model(config, device, dtype)
+    shape = model.shape
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -88,7 +95,7 @@ def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype)
                     if part is None:
                         param.copy_(tensor)
                     else:
-                        offsets = _fused_offsets(shape, ours)
+                        offsets = fused_offsets(shape, ours)
                         param[offsets[part]:offsets[part + 1]].copy_(tensor)
                     filled.add(f"{ours}#{part}")
     expected = {f"{n}#{p}" for n in params if n != "lm_head" or not shape.tied

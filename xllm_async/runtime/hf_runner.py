@@ -110,6 +110,8 @@ class TransformersRunner:
         self.pad_id = 0
         self.kv_tokens = 0  # set_kv_cache: what admission lets a slot's caches hold
         self.token_bytes = _token_bytes(config, self.dtype)
+        plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weights = {"quantization": "none", "quantized_bytes": {}, "plain_bytes": plain, "weight_bytes": plain}
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s, %s, vocab %d, context %d",
                  self.load_seconds, config.model_type, self.dtype, self.vocab_size, self.max_model_len)

@@ -21,30 +21,20 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..model import cpu_kernels
 from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
-from ..model.loader import load_model
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
 from ..model.scoring import score_prompt
-from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, on_host
+from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, linear_name, on_host
 from .checkpoint import eos_ids, resolve_dtype
 from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
 from .host_memory import one_intra_op_thread, pack_weights
+from .weights import load_weights
 
 log = logging.getLogger("xllm_async.model")
-
-def linear_name(packing: str, dtype: torch.dtype) -> str:
-    """What start-up logs for the packed linear layers."""
-    if packing != "ours":
-        return "oneDNN's linear"
-    if dtype == torch.float32:
-        return "our float32 AVX512 linear"
-    return f"our {cpu_kernels.ISA_NAMES[cpu_kernels.our_linear()]} linear"
-
 
 class ModelRunner:
     """Our own model code, loaded once, shared read-only by every execution thread;
@@ -54,7 +44,7 @@ class ModelRunner:
     packed = True  # prompts cost their own tokens, not the longest one's
     shares_beam_prompts = True  # a beam search keeps its prompt's cache once (BeamState)
 
-    def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto") -> None:
+    def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto", quantization: str = "none") -> None:
         started = time.monotonic()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.config = AutoConfig.from_pretrained(model_dir)
@@ -62,11 +52,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.config, device)
         log.info("loading weights from %s (%s)", model_dir, self.dtype)
         with one_intra_op_thread():
-            self.model = load_model(model_dir, self.config, device, self.dtype)
+            # (weights: what they are kept as, quantized or plain: /server_info shows it)
+            self.model, self.weights = load_weights(model_dir, self.config, device, self.dtype, quantization)
             packing = choose_linear(device, self.dtype)
-            if packing is not None:
-                log.info("%d linear layers packed for %s", pack_linears(self.model, packing),
-                         linear_name(packing, self.dtype))
+            packed = pack_linears(self.model, packing) if packing is not None else 0
+            if packed:
+                log.info("%d linear layers packed for %s", packed, linear_name(packing, self.dtype))
             fused = choose_fused(device, self.dtype)
             if fused is not None:
                 ops, chunk_mlp, name = fused
@@ -306,7 +297,8 @@ def _generation_config(model_dir: str):
         return None
 
 
-def load_runner(model_dir: str, device: torch.device, dtype: str = "auto", engine: str = "auto"):
+def load_runner(model_dir: str, device: torch.device, dtype: str = "auto", engine: str = "auto",
+                quantization: str = "none"):
     """Our own model code where it supports the model (engine auto or native), else transformers."""
     from .hf_runner import TransformersRunner
 
@@ -315,7 +307,10 @@ def load_runner(model_dir: str, device: torch.device, dtype: str = "auto", engin
     if engine == "native" and why_not:
         raise ValueError(f"XLLM_ENGINE=native cannot run {model_dir}: {why_not}")
     if engine == "transformers" or why_not:
+        if quantization != "none":
+            raise ValueError(f"XLLM_QUANTIZATION={quantization} needs our engine, which cannot run {model_dir}: "
+                             f"{why_not or 'XLLM_ENGINE=transformers'}")
         log.info("engine: transformers (%s)", why_not or "XLLM_ENGINE=transformers")
         return TransformersRunner(model_dir, device, dtype)
     log.info("engine: native (%s)", config.model_type)
-    return ModelRunner(model_dir, device, dtype)
+    return ModelRunner(model_dir, device, dtype, quantization)
