@@ -36,8 +36,8 @@ log = logging.getLogger("xllm_async.cpu_kernels")
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # Every source there goes into the one library: the attention, beam top-k, decode attention and
-# linear operators exist only on CPUs with AVX512-BF16 (the quantized linear: and VNNI) (the prefill attention and the linear on AMX
-# where the CPU has it).
+# linear operators exist only on CPUs with AVX512-BF16 (the prefill attention and the linear on AMX
+# where the CPU has it; the quantized linear where it has AVX512-VNNI too).
 SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp")))
 
 

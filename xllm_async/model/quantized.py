@@ -130,8 +130,8 @@ class QuantWeight:
 
     @property
     def packed(self) -> torch.Tensor:
-        """The blocks as our kernel reads them (csrc/quant_linear.cpp: tiles of 16 output columns,
-        tiles in fours), uint8 [tiles, in/32, record]; made on first use, the same bytes a block."""
+        """The blocks as our kernel reads them (csrc/quant_linear.cpp: tiles of 16 output columns in
+        groups of four), uint8 [groups, in/32, a group's block]; made on first use, the same bytes."""
         if self._packed is None:  # (two threads at once make it twice, the same)
             self._packed = _pack(self)
         return self._packed
@@ -143,28 +143,28 @@ class QuantWeight:
 
 
 TILE = 16  # output columns a packed tile interleaves (one int32 lane each)
-TILES_IN = 4  # tiles go in groups this size (the kernel's widest step), zero columns padding
+TILES_IN = 4  # tiles a group interleaves block by block (the kernel's widest step); zero columns pad
 
 
 def _pack(w: QuantWeight) -> torch.Tensor:
-    """Each tile's block: its 16 columns' float16 d (and m), then their quants four inputs a lane:
-    Q8_0 shifted to unsigned (q + 128), vector g holding inputs 4g..4g+3 of each column; Q4 as GGUF's
-    bytes, vector v holding bytes 4v..4v+3 (inputs 4v.. low, 16+4v.. high) of each column."""
+    """A group's block: its 64 columns' float16 d (then their m), then each tile's quants four inputs
+    a lane: Q8_0 shifted to unsigned (q + 128), vector g holding inputs 4g..4g+3 of the tile's 16
+    columns; Q4 as GGUF's bytes, vector v holding bytes 4v..4v+3 (inputs 4v.. low, 16+4v.. high)."""
     columns = -(-w.out_features // (TILE * TILES_IN)) * TILE * TILES_IN
-    pad = columns - w.out_features
-    tiles, blocks = columns // TILE, w.in_features // BLOCK
+    groups, blocks = columns // (TILE * TILES_IN), w.in_features // BLOCK
 
-    def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, blocks, lanes, size] -> [tiles, blocks, lanes*16*size]
-        t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 0, 0, pad)).view(tiles, TILE, blocks, *t.shape[2:])
-        return t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, blocks, -1).view(torch.uint8)
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, blocks, lanes, size] -> [groups, blocks, bytes]
+        t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 0, 0, columns - w.out_features))
+        t = t.view(groups, TILES_IN, TILE, blocks, *t.shape[2:]).permute(0, 3, 1, 4, 2, 5)
+        return t.contiguous().view(groups, blocks, -1).view(torch.uint8)
 
     quants = w.quants.view(torch.uint8)
     if w.kind == "q8_0":
         quants = quants ^ 0x80
     scales = [w.scales] + ([w.mins] if w.mins is not None else [])
-    parts = [tiled(s.view(w.out_features, blocks, 1, 1)) for s in scales]
-    parts.append(tiled(quants.view(w.out_features, blocks, -1, 4)))
-    return torch.cat(parts, dim=-1).contiguous()
+    parts = [grouped(s.view(w.out_features, blocks, 1, 1)) for s in scales]
+    parts.append(grouped(quants.view(w.out_features, blocks, -1, 4)))
+    return torch.cat(parts, dim=-1)
 
 
 _kernel_lock = threading.Lock()

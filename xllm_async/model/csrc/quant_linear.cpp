@@ -15,13 +15,15 @@
 // The integer part is exact; the per-block scaling is float32 fused multiply-adds.
 //
 // The weight is packed once (quantized.py, QuantWeight.packed) into tiles of 16 output columns,
-// one int32 lane each: a tile's block is a record of the 16 columns' float16 d (then their m, for
-// Q4_1), then their quants, four inputs a lane: Q8_0 as 8 vectors of [16 columns][4 inputs]
-// (inputs 4g..4g+3 in vector g); Q4 as 4 vectors of bytes as GGUF has them (low nibble input i,
-// high input i + 16), vector v holding inputs 4v..4v+3 low and 16+4v.. high. The same bytes as the
-// file's blocks; tiles come in fours (64 columns), zero columns padding the last.
+// one int32 lane each, in groups of four tiles (64 columns; zero columns pad the last group). A
+// group's block is the 64 columns' float16 d (then their m, for Q4_1), then each tile's quants,
+// four inputs a lane: Q8_0 as 8 vectors of [16 columns][4 inputs] (inputs 4g..4g+3 in vector g);
+// Q4 as 4 vectors of bytes as GGUF has them (low nibble input i, high input i + 16), vector v
+// holding inputs 4v..4v+3 low and 16+4v.. high. The same bytes as the file's blocks, every vector
+// on a cache line of its own, and a group's blocks one stream through memory.
 
 #include <ATen/ATen.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -38,8 +40,12 @@
 namespace {
 
 constexpr int64_t kTile = 16;   // output columns a tile interleaves
+constexpr int64_t kGroup = 4;   // tiles a group interleaves
 constexpr int64_t kBlock = 32;  // inputs a block quantizes together
 constexpr int64_t kRowChunk = 256;  // rows whose int8 activations stay in L2 while the weights pass
+// How far ahead of its reads a decode step fetches a group's blocks: the hardware's prefetcher
+// alone keeps too few lines in flight for one stream to reach the memory's bandwidth.
+constexpr int64_t kAhead = 4096;
 constexpr int64_t kParallelRows = 16;  // rows from which threads share the activations' rounding
 
 enum Kind { kQ8_0, kQ4_0, kQ4_1 };
@@ -51,9 +57,10 @@ Kind kind_of(const std::string& name) {
   return kQ4_1;
 }
 
-// Bytes of one tile's block: the scales (and mins), then the quants.
-constexpr int64_t scale_bytes(Kind k) { return (k == kQ4_1 ? 2 : 1) * kTile * 2; }
-constexpr int64_t record_bytes(Kind k) { return scale_bytes(k) + kTile * (k == kQ8_0 ? kBlock : kBlock / 2); }
+// Bytes of a group's block: the scales (and mins), then each tile's quants.
+constexpr int64_t scale_bytes(Kind k) { return (k == kQ4_1 ? 2 : 1) * kGroup * kTile * 2; }
+constexpr int64_t quant_bytes(Kind k) { return kTile * (k == kQ8_0 ? kBlock : kBlock / 2); }
+constexpr int64_t record_bytes(Kind k) { return scale_bytes(k) + kGroup * quant_bytes(k); }
 
 // The activations rounded to int8 blocks: q [m][k], and per block its scale and its sum.
 struct Activations {
@@ -89,12 +96,13 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Rows [0, R) of the activations from row r0 times T neighbouring tiles (w: the first one's
-// records, `stride` bytes apart), + bias, into out (n wide) from column n0.
+// Rows [0, R) of the activations from row r0 times tiles [t0, t0 + T) of a group (w: its first
+// block), + bias, into out (n wide) from column n0 (the first tile's).
 template <Kind K, int R, int T, typename O>
-void tile_product(const Activations& a, int64_t r0, const uint8_t* w, int64_t stride, const float* bias, O* out,
+void tile_product(const Activations& a, int64_t r0, const uint8_t* w, int64_t t0, const float* bias, O* out,
                   int64_t n, int64_t n0) {
-  constexpr int64_t rec = record_bytes(K), quants = scale_bytes(K);
+  constexpr int64_t rec = record_bytes(K), stride = quant_bytes(K);
+  const int64_t quants = scale_bytes(K) + t0 * stride;
   constexpr int32_t offset = K == kQ8_0 ? 128 : (K == kQ4_0 ? 8 : 0);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R][T];
@@ -107,6 +115,10 @@ void tile_product(const Activations& a, int64_t r0, const uint8_t* w, int64_t st
       x[r] = a.q + ((r0 + r) * a.blocks + b) * kBlock;
       const __m512i start = _mm512_set1_epi32(-offset * a.s[(r0 + r) * a.blocks + b]);
       for (int t = 0; t < T; ++t) dot[r][t] = start;
+    }
+    if constexpr (T == kGroup) {  // (a whole group, a decode step: one stream, fetched ahead)
+      const uint8_t* ahead = w + b * rec + kAhead;
+      for (int64_t line = 0; line < rec; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
     }
     const uint8_t* block = w + b * rec + quants;
     if constexpr (K == kQ8_0) {
@@ -136,14 +148,14 @@ void tile_product(const Activations& a, int64_t r0, const uint8_t* w, int64_t st
       }
     }
     for (int t = 0; t < T; ++t) {
-      const uint8_t* scales = w + t * stride + b * rec;
+      const uint8_t* scales = w + b * rec + (t0 + t) * kTile * 2;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
       for (int r = 0; r < R; ++r) {
         const float dx = a.d[(r0 + r) * a.blocks + b];
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r][t]);
       }
       if constexpr (K == kQ4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kGroup * kTile * 2)));
         for (int r = 0; r < R; ++r) {
           const int64_t i = (r0 + r) * a.blocks + b;
           acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.d[i] * static_cast<float>(a.s[i])), acc[r][t]);
@@ -167,24 +179,33 @@ void tile_product(const Activations& a, int64_t r0, const uint8_t* w, int64_t st
   }
 }
 
-// Every row of the activations times the tile groups this thread takes, a chunk of rows at a time.
-template <Kind K, int T, typename O>
+// Every row of the activations times each thread's run of tiles, a chunk of rows at a time. A run
+// is contiguous, so that a decode step's fetching ahead runs on into the thread's next group.
+template <Kind K, int R, int T, typename O>
 void product(const Activations& a, int64_t m, const uint8_t* w, int64_t tiles, const float* bias, O* out, int64_t n) {
-  constexpr int R = 4;  // rows sharing each unpacked weight vector: R x T int32 and float sums in registers
-  const int64_t stride = a.blocks * record_bytes(K);  // a tile's records
-  xllm_parallel::interleaved_items(tiles / T, [&](int64_t first, int64_t groups, int64_t step) {
-    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
-      const int64_t c1 = std::min(m, c0 + kRowChunk);
-      for (int64_t g = first; g < groups; g += step) {
-        const uint8_t* tile = w + g * T * stride;
-        const int64_t n0 = g * T * kTile;
-        int64_t r = c0;
-        for (; r + R <= c1; r += R) tile_product<K, R, T>(a, r, tile, stride, bias, out, n, n0);
-        switch (c1 - r) {
-          case 3: tile_product<K, 3, T>(a, r, tile, stride, bias, out, n, n0); break;
-          case 2: tile_product<K, 2, T>(a, r, tile, stride, bias, out, n, n0); break;
-          case 1: tile_product<K, 1, T>(a, r, tile, stride, bias, out, n, n0); break;
-          default: break;
+  const int64_t group = a.blocks * record_bytes(K);  // a group's blocks
+  const int64_t steps = tiles / T, runs = std::min<int64_t>(omp_get_max_threads(), steps);
+  xllm_parallel::interleaved_items(runs, [&](int64_t first, int64_t count, int64_t stride) {
+    for (int64_t run = first; run < count; run += stride) {
+      const int64_t s0 = steps * run / runs, s1 = steps * (run + 1) / runs;
+      if constexpr (T == kGroup) {  // (the start of the run, which no earlier block fetched)
+        const auto* start = reinterpret_cast<const char*>(w + s0 * group);
+        for (int64_t line = 0; line < std::min(kAhead, (s1 - s0) * group); line += 64)
+          _mm_prefetch(start + line, _MM_HINT_T1);
+      }
+      for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+        const int64_t c1 = std::min(m, c0 + kRowChunk);
+        for (int64_t i = s0; i < s1; ++i) {
+          const uint8_t* tiles_at = w + (i * T / kGroup) * group;
+          const int64_t t0 = i * T % kGroup, n0 = i * T * kTile;
+          int64_t r = c0;
+          for (; r + R <= c1; r += R) tile_product<K, R, T>(a, r, tiles_at, t0, bias, out, n, n0);
+          switch (c1 - r) {
+            case 3: tile_product<K, 3, T>(a, r, tiles_at, t0, bias, out, n, n0); break;
+            case 2: tile_product<K, 2, T>(a, r, tiles_at, t0, bias, out, n, n0); break;
+            case 1: tile_product<K, 1, T>(a, r, tiles_at, t0, bias, out, n, n0); break;
+            default: break;
+          }
         }
       }
     }
@@ -194,12 +215,15 @@ void product(const Activations& a, int64_t m, const uint8_t* w, int64_t tiles, c
 template <Kind K, typename O>
 void dispatch_tiles(const Activations& a, int64_t m, const uint8_t* w, int64_t tiles, const float* bias, O* out,
                     int64_t n) {
-  // A decode step's few rows: four tiles at a time, more sums in flight per weight stream;
-  // more rows: two tiles, so that four rows' sums fit in the registers.
+  // A decode step's few rows: a whole group at a time (one stream, fetched ahead), up to three
+  // rows on each unpacked weight vector, then two; a prompt's rows: four rows on each vector of
+  // two tiles (registers: R x T int32 and float sums).
   if (m < 4) {
-    product<K, 4>(a, m, w, tiles, bias, out, n);
+    product<K, 4, 4>(a, m, w, tiles, bias, out, n);
+  } else if (m < 32) {
+    product<K, 2, 4>(a, m, w, tiles, bias, out, n);
   } else {
-    product<K, 2>(a, m, w, tiles, bias, out, n);
+    product<K, 4, 2>(a, m, w, tiles, bias, out, n);
   }
 }
 
@@ -223,7 +247,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed, const
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
   TORCH_CHECK(k % kBlock == 0, "quant_linear: the input width must be a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) % 4 == 0 && packed.size(0) * kTile >= n && packed.size(1) == blocks &&
+                  packed.size(0) * kGroup * kTile >= n && packed.size(1) == blocks &&
                   packed.size(2) == record_bytes(kind),
               "quant_linear: weight packed for another shape or format");
   at::Tensor bias_f;
@@ -260,9 +284,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed, const
   const Activations a{q, d, s, blocks};
   const auto* w = packed.data_ptr<uint8_t>();
   if (f32) {
-    dispatch(kind, a, m, w, packed.size(0), b, out.data_ptr<float>(), n);
+    dispatch(kind, a, m, w, packed.size(0) * kGroup, b, out.data_ptr<float>(), n);
   } else {
-    dispatch(kind, a, m, w, packed.size(0), b, reinterpret_cast<at::BFloat16*>(out.data_ptr()), n);
+    dispatch(kind, a, m, w, packed.size(0) * kGroup, b, reinterpret_cast<at::BFloat16*>(out.data_ptr()), n);
   }
   return out;
 }
