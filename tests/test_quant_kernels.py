@@ -86,7 +86,9 @@ def test_fused_parts_pack_on_their_own():
     assert torch.allclose(fused.linear(x)[:, 40:], parts[1].linear(x), rtol=1e-6, atol=1e-6)
 
 
-def test_a_bias_of_another_length_is_refused():
+def test_a_bias_or_rows_of_another_length_are_refused():
     weight = QuantWeight.quantize(torch.randn(20, 64), "q4_1")
     with pytest.raises(RuntimeError, match="bias"):
         weight.linear(torch.randn(2, 64), torch.randn(19))
+    with pytest.raises(ValueError, match="inputs"):
+        weight.linear(torch.randn(2, 128))

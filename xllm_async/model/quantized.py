@@ -124,6 +124,8 @@ class QuantWeight:
         Our kernel for bfloat16 or float32 rows on a CPU where it verified, else the reference."""
         if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not kernel_verified():
             return self.reference_linear(x, bias)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"rows of {x.shape[-1]} inputs into a weight of {self.in_features}")
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.xllm.quant_linear(rows, self.packed, self.kind, bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
@@ -178,6 +180,8 @@ def kernel_verified() -> bool:
     with _kernel_lock:
         if _kernel_ok is None:
             _kernel_ok = _check_kernel()
+            if _kernel_ok:
+                log.info("quantized linear: our AVX512-VNNI kernel (csrc/quant_linear.cpp)")
         return _kernel_ok
 
 
