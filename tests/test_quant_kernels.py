@@ -92,3 +92,10 @@ def test_a_bias_or_rows_of_another_length_are_refused():
         weight.linear(torch.randn(2, 64), torch.randn(19))
     with pytest.raises(ValueError, match="inputs"):
         weight.linear(torch.randn(2, 128))
+
+
+def test_without_a_verified_kernel_linear_is_the_reference(monkeypatch):
+    monkeypatch.setattr(quantized, "_kernel_ok", False)
+    weight = QuantWeight.quantize(torch.randn(20, 64), "q4_0")
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(weight.linear(x), weight.reference_linear(x))

@@ -175,7 +175,8 @@ _kernel_ok: bool | None = None
 
 def kernel_verified() -> bool:
     """Whether torch.ops.xllm.quant_linear loaded here and matched reference_linear (once a process,
-    every format, bfloat16 and float32 rows, with a bias and a ragged last tile)."""
+    every format, bfloat16 and float32 rows, a decode step's rows and a prompt's, with a bias and a
+    ragged last tile)."""
     global _kernel_ok
     with _kernel_lock:
         if _kernel_ok is None:
@@ -193,18 +194,18 @@ def _check_kernel() -> bool:
     bias = torch.randn(70, generator=generator)
     # Whole numbers with a 127 in every block: the kernel's int8 rounding of them is exact, so it
     # must match the reference to float rounding.
-    x = torch.randint(-127, 128, (5, 96), generator=generator).float()
+    x = torch.randint(-127, 128, (37, 96), generator=generator).float()
     x[:, ::BLOCK] = 127
     for kind in FORMATS:
         w = QuantWeight.quantize(weight, kind)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, rows in ((torch.float32, 3), (torch.bfloat16, 5), (torch.float32, 37)):  # (each loop)
             try:
-                out = torch.ops.xllm.quant_linear(x.to(dtype), w.packed, kind, bias, w.out_features).float()
+                out = torch.ops.xllm.quant_linear(x[:rows].to(dtype), w.packed, kind, bias, w.out_features).float()
             except RuntimeError as exc:
                 log.warning("our quantized linear unusable here: %s", exc)
                 return False
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # (bfloat16's rounding of the output)
-            expected = w.reference_linear(x, bias)
+            expected = w.reference_linear(x[:rows], bias)
             if not torch.allclose(out, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()):
                 log.warning("our quantized linear computed wrong here (%s, %s): the reference serves", kind, dtype)
                 return False
