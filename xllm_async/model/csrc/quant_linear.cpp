@@ -62,14 +62,6 @@ constexpr int64_t scale_bytes(Kind k) { return (k == kQ4_1 ? 2 : 1) * kGroup * k
 constexpr int64_t quant_bytes(Kind k) { return kTile * (k == kQ8_0 ? kBlock : kBlock / 2); }
 constexpr int64_t record_bytes(Kind k) { return scale_bytes(k) + kGroup * quant_bytes(k); }
 
-// The activations rounded to int8 blocks: q [m][k], and per block its scale and its sum.
-struct Activations {
-  const int8_t* q;
-  const float* d;
-  const int32_t* s;
-  int64_t blocks;  // per row
-};
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   return xllm_simd::load_bf16(reinterpret_cast<const uint16_t*>(p), static_cast<__mmask16>(0xFFFF));
@@ -89,6 +81,31 @@ void quantize_row(const T* x, int64_t blocks, int8_t* q, float* d, int32_t* s) {
     s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
   }
 }
+
+// The activations rounded to int8 blocks: q [m][k], and per block its scale and its sum; rounded
+// by the thread that calls, or, for many rows (shared), by every thread of the product's parallel
+// region before it starts: one region a call, where two made each call wait twice for the threads.
+struct Activations {
+  int8_t* q;
+  float* d;
+  int32_t* s;
+  int64_t blocks;  // per row
+  const void* x;   // the rows: float32, or bfloat16 where !f32
+  bool f32;
+  bool shared;
+
+  void round_rows(int64_t first, int64_t rows, int64_t step) const {
+    const int64_t k = blocks * kBlock;
+    for (int64_t r = first; r < rows; r += step) {
+      if (f32) {
+        quantize_row(static_cast<const float*>(x) + r * k, blocks, q + r * k, d + r * blocks, s + r * blocks);
+      } else {
+        quantize_row(static_cast<const at::BFloat16*>(x) + r * k, blocks, q + r * k, d + r * blocks,
+                     s + r * blocks);
+      }
+    }
+  }
+};
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -186,6 +203,12 @@ void product(const Activations& a, int64_t m, const uint8_t* w, int64_t tiles, c
   const int64_t group = a.blocks * record_bytes(K);  // a group's blocks
   const int64_t steps = tiles / T, runs = std::min<int64_t>(omp_get_max_threads(), steps);
   xllm_parallel::interleaved_items(runs, [&](int64_t first, int64_t count, int64_t stride) {
+    if (a.shared) {
+      a.round_rows(first, m, stride);
+      if (stride > 1) {  // (one thread: no team of ours to wait for)
+#pragma omp barrier
+      }
+    }
     for (int64_t run = first; run < count; run += stride) {
       const int64_t s0 = steps * run / runs, s1 = steps * (run + 1) / runs;
       if constexpr (T == kGroup) {  // (the start of the run, which no earlier block fetched)
@@ -265,23 +288,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed, const
   auto* q = reinterpret_cast<int8_t*>(scratch.data_ptr());
   auto* d = reinterpret_cast<float*>(q + m * k);
   auto* s = reinterpret_cast<int32_t*>(d + m * blocks);
-  auto quantize = [&](int64_t first, int64_t rows, int64_t step) {
-    for (int64_t r = first; r < rows; r += step) {
-      if (f32) {
-        quantize_row(x.data_ptr<float>() + r * k, blocks, q + r * k, d + r * blocks, s + r * blocks);
-      } else {
-        quantize_row(reinterpret_cast<const at::BFloat16*>(x.data_ptr()) + r * k, blocks, q + r * k,
-                     d + r * blocks, s + r * blocks);
-      }
-    }
-  };
-  // (a decode step's few rows take less than waking the other threads)
-  if (m < kParallelRows) {
-    quantize(0, m, 1);
-  } else {
-    xllm_parallel::interleaved_items(m, quantize);
-  }
-  const Activations a{q, d, s, blocks};
+  // (a decode step's few rows take less than sharing out)
+  const Activations a{q, d, s, blocks, x.data_ptr(), f32, m >= kParallelRows};
+  if (!a.shared) a.round_rows(0, m, 1);
   const auto* w = packed.data_ptr<uint8_t>();
   if (f32) {
     dispatch(kind, a, m, w, packed.size(0) * kGroup, b, out.data_ptr<float>(), n);
