@@ -8,7 +8,9 @@ eager code makes four to eight (a bfloat16 prefill spent half its time in such p
   elsewhere); a decode step's attention in one call (decode_attention.cpp);
 - a beam round's top k with its log-sum-exp (beam_topk.cpp);
 - the linear layers and the LM head of small-row steps (linear.cpp: AMX, else AVX512-BF16; float32
-  on AVX512 FMAs).
+  on AVX512 FMAs);
+- the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI; model/quantized.py
+  checks it against its reference arithmetic and calls it).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -35,7 +37,7 @@ log = logging.getLogger("xllm_async.cpu_kernels")
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # Every source there goes into the one library: the attention, beam top-k, decode attention and
 # linear operators exist only on CPUs with AVX512-BF16 (the prefill attention and the linear on AMX
-# where the CPU has it).
+# where the CPU has it; the quantized linear where it has AVX512-VNNI too).
 SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp")))
 
 

@@ -6,14 +6,22 @@ one float16 scale per 32 weights of a row). A row's block b holds its inputs [32
 - q4_0: w = d * (q - 8), q a 4-bit unsigned
 - q4_1: w = d * q + m, q a 4-bit unsigned
 
-This module is the format and its reference arithmetic (dequantize, then a float linear); the
-fast kernels over the packed blocks live beside it and must give the same answers within float
-rounding."""
+This module is the format and its reference arithmetic (dequantize, then a float linear). The
+fast kernel (csrc/quant_linear.cpp) reads the blocks repacked once (QuantWeight.packed) and rounds
+the activations to int8 blocks as llama.cpp does, so it matches the reference within that
+rounding; QuantWeight.linear takes it where it built and passed that check (kernel_verified)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 import torch
+
+from . import cpu_kernels
+
+log = logging.getLogger("xllm_async.quantized")
 
 BLOCK = 32
 # bytes a block of 32 weights takes in a GGUF file: float16 d [, float16 m], then the quants
@@ -28,7 +36,7 @@ class QuantWeight:
     quants: q8_0 int8 [out, in/32, 32]; q4_0/q4_1 uint8 [out, in/32, 16], GGUF's nibble order
     (byte j holds input j in its low half and input j + 16 in its high half)."""
 
-    __slots__ = ("kind", "out_features", "in_features", "scales", "mins", "quants")
+    __slots__ = ("kind", "out_features", "in_features", "scales", "mins", "quants", "_packed")
 
     def __init__(self, kind: str, scales: torch.Tensor, mins: torch.Tensor | None, quants: torch.Tensor) -> None:
         if kind not in BLOCK_BYTES:
@@ -37,6 +45,7 @@ class QuantWeight:
         self.scales, self.mins, self.quants = scales, mins, quants
         self.out_features, blocks = scales.shape
         self.in_features = blocks * BLOCK
+        self._packed: torch.Tensor | None = None
 
     @classmethod
     def from_gguf(cls, kind: str, raw: np.ndarray, in_features: int) -> QuantWeight:
@@ -111,13 +120,96 @@ class QuantWeight:
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, in] @ W.T (+ bias), in x's dtype: what layers.Linear calls for a quantized weight."""
-        return self.reference_linear(x, bias)
+        """x [..., in] @ W.T (+ bias), in x's dtype: what layers.Linear calls for a quantized weight.
+        Our kernel for bfloat16 or float32 rows on a CPU where it verified, else the reference."""
+        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not kernel_verified():
+            return self.reference_linear(x, bias)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"rows of {x.shape[-1]} inputs into a weight of {self.in_features}")
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.xllm.quant_linear(rows, self.packed, self.kind, bias, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The blocks as our kernel reads them (csrc/quant_linear.cpp: tiles of 16 output columns in
+        groups of four), uint8 [groups, in/32, a group's block]; made on first use, the same bytes."""
+        if self._packed is None:  # (two threads at once make it twice, the same)
+            self._packed = _pack(self)
+        return self._packed
 
     def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias) in float32, returned in x's dtype: what the kernels must match."""
         out = torch.nn.functional.linear(x.float(), self.dequantize(), None if bias is None else bias.float())
         return out.to(x.dtype)
+
+
+TILE = 16  # output columns a packed tile interleaves (one int32 lane each)
+TILES_IN = 4  # tiles a group interleaves block by block (the kernel's widest step); zero columns pad
+
+
+def _pack(w: QuantWeight) -> torch.Tensor:
+    """A group's block: its 64 columns' float16 d (then their m), then each tile's quants four inputs
+    a lane: Q8_0 shifted to unsigned (q + 128), vector g holding inputs 4g..4g+3 of the tile's 16
+    columns; Q4 as GGUF's bytes, vector v holding bytes 4v..4v+3 (inputs 4v.. low, 16+4v.. high)."""
+    columns = -(-w.out_features // (TILE * TILES_IN)) * TILE * TILES_IN
+    groups, blocks = columns // (TILE * TILES_IN), w.in_features // BLOCK
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, blocks, lanes, size] -> [groups, blocks, bytes]
+        t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 0, 0, columns - w.out_features))
+        t = t.view(groups, TILES_IN, TILE, blocks, *t.shape[2:]).permute(0, 3, 1, 4, 2, 5)
+        return t.contiguous().view(groups, blocks, -1).view(torch.uint8)
+
+    quants = w.quants.view(torch.uint8)
+    if w.kind == "q8_0":
+        quants = quants ^ 0x80
+    scales = [w.scales] + ([w.mins] if w.mins is not None else [])
+    parts = [grouped(s.view(w.out_features, blocks, 1, 1)) for s in scales]
+    parts.append(grouped(quants.view(w.out_features, blocks, -1, 4)))
+    return torch.cat(parts, dim=-1)
+
+
+_kernel_lock = threading.Lock()
+_kernel_ok: bool | None = None
+
+
+def kernel_verified() -> bool:
+    """Whether torch.ops.xllm.quant_linear loaded here and matched reference_linear (once a process,
+    every format, bfloat16 and float32 rows, a decode step's rows and a prompt's, with a bias and a
+    ragged last tile)."""
+    global _kernel_ok
+    with _kernel_lock:
+        if _kernel_ok is None:
+            _kernel_ok = _check_kernel()
+            if _kernel_ok:
+                log.info("quantized linear: our AVX512-VNNI kernel (csrc/quant_linear.cpp)")
+        return _kernel_ok
+
+
+def _check_kernel() -> bool:
+    if not cpu_kernels.available() or not hasattr(torch.ops.xllm, "quant_linear"):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(70, 96, generator=generator)  # 70: a ragged last tile
+    bias = torch.randn(70, generator=generator)
+    # Whole numbers with a 127 in every block: the kernel's int8 rounding of them is exact, so it
+    # must match the reference to float rounding.
+    x = torch.randint(-127, 128, (37, 96), generator=generator).float()
+    x[:, ::BLOCK] = 127
+    for kind in FORMATS:
+        w = QuantWeight.quantize(weight, kind)
+        for dtype, rows in ((torch.float32, 3), (torch.bfloat16, 5), (torch.float32, 37)):  # (each loop)
+            try:
+                out = torch.ops.xllm.quant_linear(x[:rows].to(dtype), w.packed, kind, bias, w.out_features).float()
+            except RuntimeError as exc:
+                log.warning("our quantized linear unusable here: %s", exc)
+                return False
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # (bfloat16's rounding of the output)
+            expected = w.reference_linear(x[:rows], bias)
+            if not torch.allclose(out, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()):
+                log.warning("our quantized linear computed wrong here (%s, %s): the reference serves", kind, dtype)
+                return False
+    return True
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
