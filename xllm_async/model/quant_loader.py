@@ -160,13 +160,16 @@ def _fill(path: str, model: CausalLM, params: dict, modules: dict, ours: str, va
     params[ours].copy_(_plain(value))
 
 
+def quantized_weights(model: CausalLM) -> list[QuantWeight]:
+    """Every quantized weight of the model: its linears' and the LM head's."""
+    quants = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
+    return quants + ([model.quant_lm_head] if model.quant_lm_head is not None else [])
+
+
 def weight_summary(model: CausalLM) -> dict:
     """What the weights are kept as: bytes of blocks per format, bytes of plain parameters."""
-    quants = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
-    if model.quant_lm_head is not None:
-        quants.append(model.quant_lm_head)
     formats: dict[str, int] = {}
-    for quant in quants:
+    for quant in quantized_weights(model):
         formats[quant.kind] = formats.get(quant.kind, 0) + quant.nbytes
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"quantized_bytes": formats, "plain_bytes": plain, "weight_bytes": plain + sum(formats.values())}

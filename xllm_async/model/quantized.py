@@ -87,8 +87,33 @@ class QuantWeight:
 
     def rows(self, order: torch.Tensor | slice) -> QuantWeight:
         """The output rows in `order` (GGUF stores Llama's q/k rows permuted; fused layers stack parts)."""
+        if self.quants is None:
+            raise ValueError("this weight kept only its packed blocks (settle): take columns() of it")
         mins = self.mins[order] if self.mins is not None else None
         return QuantWeight(self.kind, self.scales[order], mins, self.quants[order])
+
+    def columns(self, start: int, end: int) -> QuantWeight:
+        """Output columns [start, end) as a weight of their own (a beam search's block of the
+        vocabulary): from a packed group's start, a view of the packed blocks, nothing copied or
+        packed again; elsewhere rows() (packed at its first linear)."""
+        if start % GROUP_COLUMNS or not 0 <= start < end <= self.out_features:
+            return self.rows(slice(start, end))
+        part = QuantWeight.__new__(QuantWeight)
+        part.kind, part.in_features, part.out_features = self.kind, self.in_features, end - start
+        part.scales = part.mins = part.quants = None
+        if self.quants is not None:
+            part.scales, part.quants = self.scales[start:end], self.quants[start:end]
+            part.mins = self.mins[start:end] if self.mins is not None else None
+        part._packed = self.packed[start // GROUP_COLUMNS:-(-end // GROUP_COLUMNS)]
+        return part
+
+    def settle(self) -> None:
+        """Pack now and, where our kernel serves, drop the file's layout: a weight then holds its
+        blocks once (the file's bytes, padded to whole groups). Where the reference serves, nothing
+        is dropped (it de-quantizes from the file's layout)."""
+        if self.quants is not None and kernel_verified():
+            self.packed  # noqa: B018  (packs it)
+            self.scales = self.mins = self.quants = None
 
     @staticmethod
     def stack(parts: list[QuantWeight]) -> QuantWeight:
@@ -146,6 +171,7 @@ class QuantWeight:
 
 TILE = 16  # output columns a packed tile interleaves (one int32 lane each)
 TILES_IN = 4  # tiles a group interleaves block by block (the kernel's widest step); zero columns pad
+GROUP_COLUMNS = TILE * TILES_IN
 
 
 def _pack(w: QuantWeight) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from ..model.llama import CausalLM
 from ..model.loader import load_model
-from ..model.quant_loader import load_gguf_model, quantize_linears, weight_summary
+from ..model.quant_loader import load_gguf_model, quantize_linears, quantized_weights, weight_summary
 from .backends import on_host
 from .default_model import gguf_source
 
@@ -41,6 +41,8 @@ def load_weights(model_dir: str, config, device: torch.device, dtype: torch.dtyp
         if quantization == "int8":
             quantize_linears(model, "q8_0")
     summary = {"quantization": quantization, **weight_summary(model)}
+    for quant in quantized_weights(model):
+        quant.settle()  # packed once, now; the file's layout dropped where our kernel serves
     if source is not None:
         summary["gguf_file"] = os.path.basename(source)
     if quantization != "none":
