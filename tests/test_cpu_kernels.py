@@ -425,3 +425,39 @@ def test_a_kernel_that_did_not_verify_fails_its_tests_where_the_cpu_has_the_inst
     monkeypatch.setattr(cpu_kernels, "instruction_sets", lambda: [])
     with pytest.raises(pytest.skip.Exception, match="no AVX512-BF16"):
         require_kernel("beam top-k")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(tiny_model_dir, monkeypatch, dtype):
+    """A decode step of a few rows runs its layers as flat kernel calls (llama.SmallStep): the same
+    operations in the same order as the generic forward, so the same logits to the last bit."""
+    from xllm_async.model import llama
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
+    runner.set_kv_cache(64 << 20, 1)
+    small_steps = []
+    run = llama.SmallStep.run
+    monkeypatch.setattr(llama.SmallStep, "run", lambda self, *a: small_steps.append(1) or run(self, *a))
+    prompts = random_prompts(41, [9, 30, 4])
+    between = []
+
+    def steps(generic: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(llama, "EXACT_ROWS", 0 if generic else 16)
+        out = []
+        with torch.inference_mode():
+            logits, kv = runner.prefill(prompts, 40)
+            for _ in range(4):
+                tokens = logits.argmax(-1).tolist()
+                logits = runner.decode(kv, tokens, between_layers=lambda: between.append(generic))
+                out.append(logits)
+        return out
+
+    generic = steps(True)
+    assert not small_steps
+    small = steps(False)
+    assert len(small_steps) == 4
+    assert all(torch.equal(a, b) for a, b in zip(generic, small))
+    layers = runner.model.shape.layers
+    assert between.count(True) == between.count(False) == 4 * layers  # after every layer, on both paths

@@ -297,6 +297,19 @@ def test_forward_profile_times_the_server_prefill_and_counts_its_operators(runne
     assert len(prof["top_host"]) > 0 and all(ms >= 0 for _, _, ms in prof["top_host"])
 
 
+decode_step = _import_perf_script("decode_step")
+
+
+def test_decode_step_times_steps_and_counts_the_hosts_calls(runner, pool):
+    import torch
+
+    with torch.inference_mode():
+        seconds, tokens = decode_step.steps(runner, pool[0], 3)
+        calls, modules = decode_step.host_counts(runner, pool[0], count=2)
+    assert len(seconds) == len(tokens) == 3 and all(wall > 0 and cpu >= 0 for wall, cpu in seconds)
+    assert calls > 10 and modules >= 1  # the LM head's step ends at the model's own call at least
+
+
 # --- ceiling: ratios and verdicts from recorded figures ---
 
 ceiling = _import_perf_script("ceiling")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_linear import PackedWeight, packed_linear, rows_padded
+from .cpu_linear import EXACT_ROWS, PackedWeight, packed_linear, rows_padded
 from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from .quantized import QuantWeight
 
@@ -158,11 +158,16 @@ class CausalLM(nn.Module):
         self.quant_lm_head: QuantWeight | None = None
         self.pad_rows = False  # set with the packing: token rows padded to padded_rows() sizes
         self.fused = None  # set by use_fused_kernels
+        self._small: SmallStep | None = None  # the layers as a small step runs them, made at the first
 
     def forward(self, tokens: torch.Tensor, ctx, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """tokens [rows] -> final hidden states [rows that need logits, hidden]. between_layers:
         called after every layer (the engine's CPU core rule takes or gives back cores there)."""
         rows = tokens.shape[0]
+        if self.fused and rows <= EXACT_ROWS and getattr(ctx, "last", None) is None:
+            x = F.embedding(tokens, self.embed.weight)
+            cos, sin = self.rotary.lookup(ctx.positions, x.dtype, True)
+            return self._small_step().run(x, cos, sin, ctx, between_layers)
         if self.pad_rows:
             # oneDNN compiles a kernel per number of rows (cpu_linear.padded_rows): the rows go through
             # the layers padded to one of a few sizes, and only attention sees the real ones.
@@ -181,6 +186,11 @@ class CausalLM(nn.Module):
         if between_layers is not None:
             between_layers()  # before the LM head (the runner's next call) too
         return self.norm(x if keep is not None else x[:rows])
+
+    def _small_step(self) -> SmallStep:
+        if self._small is None or self._small.ops is not self.fused:  # (tests switch the kernels off and on)
+            self._small = SmallStep(self)
+        return self._small
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
@@ -207,6 +217,47 @@ class CausalLM(nn.Module):
             hidden = rows_padded(hidden)
         logits = torch.matmul(hidden, weight.t())[:rows]
         return logits.float() if as_float else logits
+
+
+class SmallStep:
+    """A step of a few rows (a decode step, a beam round) on the fused kernels, each layer its
+    kernels' calls and nothing else: the generic forward's module calls, attribute look-ups and
+    branches (padding rows, MLP chunks, the rows kept for logits) cost a small step more host time
+    than its elementwise kernels. The same operations in the same order, so the same answers. Each
+    layer's weights and shapes are read once into a flat tuple; the linears are called through
+    their forward (whatever layers.Linear holds, its forward computes)."""
+
+    __slots__ = ("ops", "layers", "norm")
+
+    def __init__(self, model: CausalLM) -> None:
+        self.ops = model.fused
+        self.norm = (model.norm.weight, model.norm.eps)
+        self.layers = []
+        for layer in model.layers:
+            attn, mlp = layer.attn, layer.mlp
+            self.layers.append((
+                attn.layer, layer.input_norm.weight, layer.input_norm.eps, attn.qkv.forward,
+                [attn.q_size, attn.kv_size, attn.kv_size], (-1, attn.heads, attn.head_dim),
+                (-1, attn.kv_heads, attn.head_dim), *_norm_args(attn.q_norm), *_norm_args(attn.k_norm),
+                attn.scale, attn.o.forward, layer.post_attention_norm.weight, layer.post_attention_norm.eps,
+                mlp.gate_up.forward, mlp.down.forward))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx,
+            between_layers: Callable[[], None] | None) -> torch.Tensor:
+        """Embedded rows [rows, hidden] -> final hidden states, as CausalLM.forward's layers."""
+        ops = self.ops
+        rms_norm, rope, add_rms_norm, silu_mul, attend = ops.rms_norm, ops.rope, ops.add_rms_norm, ops.silu_mul, \
+            ctx.attend
+        for (layer, in_weight, in_eps, qkv, sizes, q_shape, kv_shape, q_norm, q_eps, k_norm, k_eps, scale, o,
+             post_weight, post_eps, gate_up, down) in self.layers:
+            q, k, v = qkv(rms_norm(x, in_weight, in_eps)).split_with_sizes(sizes, -1)
+            attn = attend(layer, rope(q.view(q_shape), cos, sin, q_norm, q_eps),
+                          rope(k.view(kv_shape), cos, sin, k_norm, k_eps), v.view(kv_shape), scale)
+            x, normed = add_rms_norm(o(attn), x, post_weight, post_eps)
+            x = down(silu_mul(gate_up(normed))).add_(x)  # (x + mlp: addition commutes, bit for bit)
+            if between_layers is not None:
+                between_layers()
+        return rms_norm(x, *self.norm)
 
 
 def use_fused_kernels(model: nn.Module, ops=None, chunk_mlp: bool = False) -> None:
