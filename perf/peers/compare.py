@@ -1,5 +1,5 @@
 """Peers: the same workload, model and machine against xllm_async, LitServe (dynamic batching),
-the naive FastAPI server (transformers behind a thread pool) and vLLM's CPU build.
+the naive FastAPI server (transformers behind a thread pool), vLLM's CPU build and llama.cpp.
 
     .venv/bin/python perf/peers/compare.py                      # 320 in, 1 out, 200 prompts, 1,2,32, 2 rounds
     .venv/bin/python perf/peers/compare.py --num-prompts 100 --rounds 1
@@ -36,6 +36,11 @@ looks for the distribution "vllm"), with VLLM_CPU_OMP_THREADS_BIND on every core
 VLLM_CPU_KVCACHE_SPACE=4 (GiB), `--max-logprobs 512` (beam widths above 10), and our `--dtype`.
 Every run starts it fresh, like every server here: its prefix cache would answer repeats.
 Its CPU attention has no kernel for heads 16 wide: it cannot serve the tiny model.
+
+llama.cpp (`llamacpp`: a bf16 GGUF converted from the model folder; `llamacpp_q4_1`: SmolLM2's own
+Q4_1 file, the default model only) is llama-server built once from the sources llama-cpp-python's
+sdist vendors, under perf/peers/llamacpp/, and started through llamacpp.py (see its docstring),
+`-t 2 --parallel 8 --cont-batching`. It has no beam search: not in the beams workload.
 
 Server logs go to perf/results/peers/. Servers are stopped on exit, on Ctrl-C and on SIGTERM:
 SIGTERM first, then SIGKILL to whatever is left of their own process group.
