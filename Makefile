@@ -100,8 +100,10 @@ trace: install
 beams: install
 	$(PY) perf/beams.py --throughput --widest $(BEAMS_ARGS)
 
-# LitServe, a naive FastAPI server and vLLM's CPU build on the same workloads; their packages go in
-# perf/peers/.venv and perf/peers/.venv-vllm only (PEERS_ARGS="--servers ... --workloads ...").
+# LitServe, a naive FastAPI server, vLLM's CPU build and llama.cpp's llama-server on the same workloads;
+# their packages go in perf/peers/.venv and perf/peers/.venv-vllm only, llama-server (built from the
+# sources llama-cpp-python's sdist vendors) and its GGUF files in perf/peers/llamacpp/
+# (PEERS_ARGS="--servers ... --workloads ...").
 peers: install
 	$(PY) perf/peers/compare.py $(PEERS_ARGS)
 

@@ -1,5 +1,5 @@
 """Peers: the same workload, model and machine against xllm_async, LitServe (dynamic batching),
-the naive FastAPI server (transformers behind a thread pool) and vLLM's CPU build.
+the naive FastAPI server (transformers behind a thread pool), vLLM's CPU build and llama.cpp.
 
     .venv/bin/python perf/peers/compare.py                      # 320 in, 1 out, 200 prompts, 1,2,32, 2 rounds
     .venv/bin/python perf/peers/compare.py --num-prompts 100 --rounds 1
@@ -37,6 +37,11 @@ VLLM_CPU_KVCACHE_SPACE=4 (GiB), `--max-logprobs 512` (beam widths above 10), and
 Every run starts it fresh, like every server here: its prefix cache would answer repeats.
 Its CPU attention has no kernel for heads 16 wide: it cannot serve the tiny model.
 
+llama.cpp (`llamacpp`: a bf16 GGUF converted from the model folder; `llamacpp_q4_1`: SmolLM2's own
+Q4_1 file, the default model only) is llama-server built once from the sources llama-cpp-python's
+sdist vendors, under perf/peers/llamacpp/, and started through llamacpp.py (see its docstring),
+`-t 2 --parallel 8 --cont-batching`. It has no beam search: not in the beams workload.
+
 Server logs go to perf/results/peers/. Servers are stopped on exit, on Ctrl-C and on SIGTERM:
 SIGTERM first, then SIGKILL to whatever is left of their own process group.
 """
@@ -62,6 +67,7 @@ sys.path.insert(0, PERF_DIR)
 
 import beams  # noqa: E402
 import bench_serving as bench  # noqa: E402
+import llamacpp  # noqa: E402
 import servers  # noqa: E402
 from cli import positive_ints  # noqa: E402
 
@@ -77,6 +83,7 @@ VLLM_LEFTOVERS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds pip 
 SMOLLM2 = os.path.expanduser("~/.cache/xllm_async/SmolLM2-135M-Instruct")  # make model converts it there
 OURS = "xllm_async"
 CHECK_TOKENS = 4
+LLAMACPP = {"llamacpp": "bf16", "llamacpp_q4_1": "q4_1"}  # llama-server's peers: name -> the GGUF it serves
 
 
 # --- set-up ----------------------------------------------------------------------------------
@@ -162,6 +169,9 @@ def servers_for(args: argparse.Namespace) -> list[Server]:
                                                       "--batch-timeout", str(args.batch_timeout)]),
         "fastapi": Server("fastapi", PEERS_PYTHON, [os.path.join(PEERS_DIR, "fastapi_server.py"), "--model", "{model}"]
                           + (["--threads", str(args.fastapi_threads)] if args.fastapi_threads else [])),
+        **{name: Server(name, PEERS_PYTHON, [os.path.join(PEERS_DIR, "llamacpp.py"), "serve", "--gguf", kind,
+                                             "--folder", "{model}"])
+           for name, kind in LLAMACPP.items()},
     }
     names = [name.strip() for name in args.servers.split(",") if name.strip()]
     unknown = [name for name in names if name not in every]
@@ -323,10 +333,24 @@ def prompt_sets(tokenizer, workload: Workload, args: argparse.Namespace) -> dict
     return sets
 
 
+def prepare_llamacpp(lineup: list[Server], workload: Workload, model: str) -> None:
+    """The GGUF files llama-server's peers serve for this model, made before any server starts: bf16
+    converted from the folder once; Q4_1 exists only for the default model (its own file)."""
+    for server in lineup:
+        kind = LLAMACPP.get(server.name)
+        if kind and workload.name == "beams":
+            raise SystemExit(f"compare: {server.name} has no beam search; leave it out of the beams workload")
+        if kind == "q4_1" and os.path.realpath(model) != os.path.realpath(SMOLLM2):
+            raise SystemExit(f"compare: {server.name} serves SmolLM2's own Q4_1 file; the model here is {model}")
+        if kind:
+            llamacpp.ensure_gguf(kind, model)
+
+
 def run_all(args: argparse.Namespace, lineup: list[Server], workload: Workload) -> list[dict]:
     model = model_folder(workload)
     tokenizer = bench.load_tokenizer(model)
     name = os.path.basename(model)
+    prepare_llamacpp(lineup, workload, model)
     if workload.name == "beams":
         return run_beams(args, lineup, workload, model, tokenizer)
     prompts = prompt_sets(tokenizer, workload, args)
@@ -474,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", default="flags", help=f"flags (the flags below) and/or {', '.join(WORKLOADS)}")
     parser.add_argument("--model", help="flags workload: model folder (default: a tiny random Qwen3, built once)")
     parser.add_argument("--servers", default=f"{OURS},litserve,fastapi",
-                        help="which to run, ours always; also xllm_continuous (continuous N=1) and vllm")
+                        help="which to run, ours always; also xllm_continuous (continuous N=1), vllm, "
+                             "llamacpp (bf16 GGUF) and llamacpp_q4_1 (SmolLM2's own Q4_1 GGUF)")
     parser.add_argument("--random-input", type=int, default=320, help="prompt tokens")
     parser.add_argument("--random-output", type=int, default=1, help="output tokens")
     parser.add_argument("--num-prompts", type=int, help="default: the workload's (flags: 200; beams: 3 per width)")
@@ -511,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             ensure_peers_venv()
         if any(s.python == VLLM_PYTHON for s in lineup):
             ensure_vllm_venv()
+        if any(s.name in LLAMACPP for s in lineup):
+            ensure_peers_venv()  # convert_hf_to_gguf.py runs there
+            llamacpp.ensure_server()
     names = [s.name for s in lineup]
     reports = []
     try:
