@@ -62,13 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=servers.DEFAULT_MODEL, help="model folder (default: the tiny Qwen3)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="none, int8 or gguf (XLLM_QUANTIZATION)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (a lone slot's)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=127, help="decode steps a round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--compare-generic", action="store_true", help="alternate with the generic forward")
     args = parser.parse_args(argv)
-    runner = load_runner(servers.ensure_model(args.model), resolve_device("cpu"), args.dtype)
+    runner = load_runner(servers.ensure_model(args.model), resolve_device("cpu"), args.dtype,
+                         quantization=args.quantization)
     runner.set_kv_cache(None, 1)
     binding = StreamBinding(runner.device, args.threads)
     binding.enter()  # this thread runs the steps, as a lone slot's would

@@ -90,8 +90,10 @@ def test_a_bias_or_rows_of_another_length_are_refused():
     weight = QuantWeight.quantize(torch.randn(20, 64), "q4_1")
     with pytest.raises(RuntimeError, match="bias"):
         weight.linear(torch.randn(2, 64), torch.randn(19))
-    with pytest.raises(ValueError, match="inputs"):
+    with pytest.raises(RuntimeError, match="another shape"):
         weight.linear(torch.randn(2, 128))
+    with pytest.raises(ValueError, match="inputs"):
+        weight.linear(torch.randn(1, 2, 128))
 
 
 def test_without_a_verified_kernel_linear_is_the_reference(monkeypatch):

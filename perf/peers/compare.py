@@ -11,7 +11,9 @@ others are issue 14's and 15's, each with its model and concurrencies (`--num-pr
 `varied` 30-608 in / 1 out at c32, same model; `decode` 128 in / 128 out at c1 and c8 on the
 default model (SmolLM2-135M); `beams` one beam search at a time of each `--beam-widths` (128,
 256) on the 8-layer random Qwen3, 1,000-token prompts, 3 rounds, every beam returned: latency
-and the extra resident memory of the server's process group (perf/beams.py measures both).
+and the extra resident memory of the server's process group (perf/beams.py measures both);
+`shared_prefix` SGLang's generated-shared-prefix on SmolLM2 at c8 (16 groups of 16 prompts, a
+1,024-token system prompt and a 64-token question each, 16 out; ours with `--prefix-cache on`).
 
 1. The peers run in their own virtual environment, perf/peers/.venv, made once from the
    project's Python: the on-disk CPU torch first, then requirements.txt, then the project
@@ -159,6 +161,10 @@ def servers_for(args: argparse.Namespace) -> list[Server]:
                                         "--concurrent-execute-stream-num", str(args.ours_streams)]),
         "xllm_continuous": Server("xllm_continuous", OUR_PYTHON, [*ours, "--scheduler", "continuous",
                                                                   "--concurrent-execute-stream-num", "1"]),
+        # ours on quantized weights (issue 39): the model's GGUF blocks as shipped, or Q8_0 made at load
+        **{f"xllm_{q}": Server(f"xllm_{q}", OUR_PYTHON, [*ours, "--quantization", q, "--scheduler", "fixed_steps",
+                                                         "--concurrent-execute-stream-num", str(args.ours_streams)])
+           for q in ("gguf", "int8")},
         "vllm": Server("vllm", VLLM_PYTHON, [os.path.join(PEERS_DIR, "vllm_launcher.py"), "serve", "{model}",
                                              "--served-model-name", "{name}", "--dtype", args.dtype,
                                              "--max-logprobs", "512"],
@@ -286,7 +292,12 @@ WORKLOADS = {  # issue 14's peers table, and issue 15's beams
     "varied": Workload("varied", "random:small", 608, 1, 0.05, (32,), 400),  # 30-608 tokens
     "decode": Workload("decode", SMOLLM2, 128, 128, 1.0, (1, 8), 32),
     "beams": Workload("beams", "random:medium", 1000, 3, 1.0, (1,), 3),  # num_prompts: measured requests per width
+    # SGLang's generated-shared-prefix (issue 37): 16 questions of 64 tokens after each 1,024-token
+    # system prompt, 16 out; num_prompts / 16 groups. Our servers run it with --prefix-cache on
+    # (vLLM's is on by default).
+    "shared_prefix": Workload("shared_prefix", SMOLLM2, 1088, 16, 1.0, (8,), 256),
 }
+SHARED_PREFIX = (1024, 64, 16)  # system prompt, question, questions a group
 
 
 def workloads_for(args: argparse.Namespace) -> list[Workload]:
@@ -312,6 +323,8 @@ def model_folder(workload: Workload) -> str:
 
 def extra_args(server: Server, workload: Workload, args: argparse.Namespace) -> list[str]:
     """Our beam limits for the beams workload (vLLM's `--max-logprobs 512` is always set)."""
+    if workload.name == "shared_prefix" and server.python == OUR_PYTHON:
+        return ["--prefix-cache", "on"]
     if workload.name == "beams" and server.python == OUR_PYTHON:
         widest = str(max(args.beam_widths))
         return ["--max-beam-width", widest, "--max-num-return-sequences", widest,
@@ -325,6 +338,10 @@ def prompt_sets(tokenizer, workload: Workload, args: argparse.Namespace) -> dict
     it has seen: with one set for all, its concurrency-32 run after the concurrency-2 one served
     194 req/s against the 73 of a fresh server."""
     def make(count: int, seed: int) -> list:
+        if workload.name == "shared_prefix":  # (each set its own system prompts: nothing cached across sets)
+            system, question, per_group = SHARED_PREFIX
+            return bench.make_shared_prefix_prompts(tokenizer, max(1, count // per_group), per_group, system,
+                                                    question, workload.random_output, seed)
         return bench.make_random_prompts(tokenizer, count, workload.random_input, workload.random_output,
                                          workload.range_ratio, seed, args.prompt_format)
 

@@ -146,13 +146,17 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias), in x's dtype: what layers.Linear calls for a quantized weight.
-        Our kernel for bfloat16 or float32 rows on a CPU where it verified, else the reference."""
-        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not kernel_verified():
+        Our kernel for bfloat16 or float32 rows on a CPU where it verified, else the reference.
+        (A decode step makes this call 121 times: the kernel's path is kept to a few checks.)"""
+        ok = _kernel_ok if _kernel_ok is not None else kernel_verified()
+        if not ok or x.dtype not in _KERNEL_DTYPES or x.device.type != "cpu":
             return self.reference_linear(x, bias)
+        packed = self._packed if self._packed is not None else self.packed
+        if x.dim() == 2:  # (the kernel checks the width against the packed blocks)
+            return torch.ops.xllm.quant_linear(x, packed, self.kind, bias, self.out_features)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"rows of {x.shape[-1]} inputs into a weight of {self.in_features}")
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.xllm.quant_linear(rows, self.packed, self.kind, bias, self.out_features)
+        out = torch.ops.xllm.quant_linear(x.reshape(-1, self.in_features), packed, self.kind, bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
@@ -169,6 +173,7 @@ class QuantWeight:
         return out.to(x.dtype)
 
 
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 TILE = 16  # output columns a packed tile interleaves (one int32 lane each)
 TILES_IN = 4  # tiles a group interleaves block by block (the kernel's widest step); zero columns pad
 GROUP_COLUMNS = TILE * TILES_IN
