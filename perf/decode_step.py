@@ -5,7 +5,8 @@ nn.Module calls a step, under cProfile). Counts hold on a shared machine where m
     python perf/decode_step.py --model ~/.cache/xllm_async/SmolLM2-135M-Instruct --threads 2 --compare-generic
 
 --compare-generic alternates rounds with the generic forward (every layer through its modules, as
-prefills run), in this process, and checks that both pick the same tokens.
+prefills run) and the Python small step (llama.SmallStep's loop where the native one,
+csrc/small_step.cpp, would run), in this process, and checks that all pick the same tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from xllm_async.runtime.device import StreamBinding, resolve_device
 from xllm_async.runtime.model_runner import ModelRunner, load_runner
 
 SMALL_ROWS = llama.EXACT_ROWS  # the most rows a step runs as a small step (llama.SmallStep)
+
+
+def use(way: str) -> None:
+    """native: as served (the native loop where it runs); small: llama.SmallStep's Python loop;
+    generic: every layer through its modules."""
+    llama.EXACT_ROWS = 0 if way == "generic" else SMALL_ROWS
+    llama.NATIVE_STEP = way == "native"
 
 
 def steps(runner: ModelRunner, prompt: list[int], count: int) -> tuple[list[tuple[float, float]], list[int]]:
@@ -76,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     binding.enter()  # this thread runs the steps, as a lone slot's would
     rng = random.Random(0)
     prompt = [rng.randrange(1000, min(runner.vocab_size, 40000)) for _ in range(args.input_len)]
-    ways = ("small", "generic") if args.compare_generic else ("small",)
+    ways = ("native", "small", "generic") if args.compare_generic else ("native",)
     wall: dict[str, list[float]] = {way: [] for way in ways}
     cpu: dict[str, list[float]] = {way: [] for way in ways}
     picked: dict[str, list[int]] = {}
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         steps(runner, prompt, 20)  # unmeasured: first shapes allocate
         for round_ in range(args.rounds):
             for way in ways if round_ % 2 == 0 else ways[::-1]:
-                llama.EXACT_ROWS = SMALL_ROWS if way == "small" else 0
+                use(way)
                 seconds, tokens = steps(runner, prompt, args.steps)
                 wall[way].append(statistics.median(s for s, _ in seconds) * 1e3)
                 cpu[way].append(statistics.median(c for _, c in seconds) * 1e3)
@@ -93,19 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{runner.config.model_type}, {runner.dtype}, {binding.describe()}, a {args.input_len}-token prompt, "
               f"{args.steps} steps a round, {args.rounds} rounds (medians of each round)")
         for way in ways:
-            llama.EXACT_ROWS = SMALL_ROWS if way == "small" else 0
+            use(way)
             calls, modules = host_counts(runner, prompt)
             print(f"{way:8s} wall ms {' '.join(f'{m:.2f}' for m in wall[way])} | thread CPU ms "
                   f"{' '.join(f'{m:.2f}' for m in cpu[way])} | Python calls {calls:.0f}, "
                   f"module calls {modules:.0f} a step")
         if args.compare_generic:
-            same = picked["small"] == picked["generic"]
-            print("small / generic, round by round: wall "
-                  + " ".join(f"{s / g:.3f}" for s, g in zip(wall["small"], wall["generic"]))
-                  + " | CPU " + " ".join(f"{s / g:.3f}" for s, g in zip(cpu["small"], cpu["generic"]))
-                  + f" | same tokens: {same}")
+            same = picked["native"] == picked["small"] == picked["generic"]
+            for way in ("small", "generic"):
+                print(f"native / {way}, round by round: wall "
+                      + " ".join(f"{s / g:.3f}" for s, g in zip(wall["native"], wall[way]))
+                      + " | CPU " + " ".join(f"{s / g:.3f}" for s, g in zip(cpu["native"], cpu[way])))
+            print(f"same tokens: {same}")
     finally:
-        llama.EXACT_ROWS = SMALL_ROWS
+        use("native")
         binding.exit()
     return 0
 

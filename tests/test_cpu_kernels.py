@@ -427,15 +427,45 @@ def test_a_kernel_that_did_not_verify_fails_its_tests_where_the_cpu_has_the_inst
         require_kernel("beam top-k")
 
 
+@pytest.fixture(scope="module")
+def small_qwen3_dir(tmp_path_factory) -> str:
+    """Heads 32 wide: the tiny model's 16 are narrower than our decode attention takes, so its
+    steps never run natively (csrc/small_step.cpp)."""
+    from xllm_async.random_model import build_qwen3
+
+    return build_qwen3(str(tmp_path_factory.mktemp("models") / "small-qwen3"), "small", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def biased_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A small Llama with a bias on every linear (q/k/v, o, gate/up, down) and no per-head norms:
+    the entries a Qwen3 leaves empty; heads 32 wide, as our decode attention takes."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, initializer_range=0.5, attention_bias=True,
+        mlp_bias=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    path = str(tmp_path_factory.mktemp("models") / "biased-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model", ["qwen3", "biased llama"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(tiny_model_dir, monkeypatch, dtype):
-    """A decode step of a few rows runs its layers as flat kernel calls (llama.SmallStep): the same
-    operations in the same order as the generic forward, so the same logits to the last bit."""
+def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir, biased_llama_dir, monkeypatch,
+                                                                 dtype, model):
+    """A decode step of a few rows runs its layers as flat kernel calls: natively, in one call
+    (csrc/small_step.cpp), or from Python (llama.SmallStep's loop): the same operations in the same
+    order as the generic forward, so the same logits to the last bit."""
     from xllm_async.model import llama
     from xllm_async.runtime.model_runner import ModelRunner
 
     require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
-    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
+    runner = ModelRunner(small_qwen3_dir if model == "qwen3" else biased_llama_dir, torch.device("cpu"), dtype)
     runner.set_kv_cache(64 << 20, 1)
     small_steps = []
     run = llama.SmallStep.run
@@ -443,21 +473,26 @@ def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(tiny_model_dir,
     prompts = random_prompts(41, [9, 30, 4])
     between = []
 
-    def steps(generic: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(llama, "EXACT_ROWS", 0 if generic else 16)
+    def steps(way: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(llama, "EXACT_ROWS", 0 if way == "generic" else 16)
+        monkeypatch.setattr(llama, "NATIVE_STEP", way == "native")
         out = []
         with torch.inference_mode():
             logits, kv = runner.prefill(prompts, 40)
             for _ in range(4):
                 tokens = logits.argmax(-1).tolist()
-                logits = runner.decode(kv, tokens, between_layers=lambda: between.append(generic))
+                logits = runner.decode(kv, tokens, between_layers=lambda: between.append(way))
                 out.append(logits)
         return out
 
-    generic = steps(True)
+    generic = steps("generic")
     assert not small_steps
-    small = steps(False)
+    small = steps("python")
     assert len(small_steps) == 4
     assert all(torch.equal(a, b) for a, b in zip(generic, small))
     layers = runner.model.shape.layers
-    assert between.count(True) == between.count(False) == 4 * layers  # after every layer, on both paths
+    assert between.count("generic") == between.count("python") == 4 * layers  # after every layer
+    assert runner.model._small.native is not None  # (every linear on our kernel: the native loop can run)
+    native = steps("native")
+    assert all(torch.equal(a, b) for a, b in zip(generic, native))
+    assert between.count("native") == 4  # once a step, after the loop: it ran natively

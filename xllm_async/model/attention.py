@@ -129,6 +129,14 @@ class Decode:
         values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim))
         return self.backend.decode(self, q, keys, values, scale)
 
+    def native_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """What a native decode step (csrc/small_step.cpp) needs of this step's keys: the slabs,
+        where each new key goes, how many each row reads; None where its attention is not our
+        decode kernel (that step runs in Python)."""
+        if getattr(self.backend, "decode_kernel", None) is None:
+            return None
+        return self.cache.slabs, self.slots, self.reads
+
     def length_runs(self) -> list[tuple[int, int, int]]:
         """Runs of rows of equal length (first row, count, keys to read), found once a step."""
         if self.runs is None:

@@ -227,11 +227,12 @@ class SmallStep:
     layer's weights and shapes are read once into a flat tuple; the linears are called through
     their forward (whatever layers.Linear holds, its forward computes)."""
 
-    __slots__ = ("ops", "layers", "norm")
+    __slots__ = ("ops", "layers", "norm", "native")
 
     def __init__(self, model: CausalLM) -> None:
         self.ops = model.fused
         self.norm = (model.norm.weight, model.norm.eps)
+        self.native = _native_plan(model)
         self.layers = []
         for layer in model.layers:
             attn, mlp = layer.attn, layer.mlp
@@ -245,6 +246,16 @@ class SmallStep:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx,
             between_layers: Callable[[], None] | None) -> torch.Tensor:
         """Embedded rows [rows, hidden] -> final hidden states, as CausalLM.forward's layers."""
+        native_cache = getattr(ctx, "native_cache", None) if self.native and NATIVE_STEP else None
+        cache = native_cache() if native_cache is not None else None
+        if cache is not None:
+            # The whole loop in one call (csrc/small_step.cpp): between_layers once, after it (the
+            # step loop asks before every step too; a step is too short to widen in).
+            weights, eps, sizes, scale = self.native
+            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale)
+            if between_layers is not None:
+                between_layers()
+            return x
         ops = self.ops
         rms_norm, rope, add_rms_norm, silu_mul, attend = ops.rms_norm, ops.rope, ops.add_rms_norm, ops.silu_mul, \
             ctx.attend
@@ -258,6 +269,35 @@ class SmallStep:
             if between_layers is not None:
                 between_layers()
         return rms_norm(x, *self.norm)
+
+
+# Whether decode steps run their layer loop natively where they can (SmallStep.native); tests and
+# perf/decode_step.py switch it to compare.
+NATIVE_STEP = True
+
+
+def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float] | None:
+    """What csrc/small_step.cpp takes for this model (its weights, eps and sizes, flat, and the
+    attention's scale), where it
+    can run it: our CPU kernels loaded with small_step, every linear packed for ours."""
+    if model.fused is not torch.ops.xllm or not hasattr(torch.ops.xllm, "small_step"):
+        return None
+    weights, eps = [], []
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+        if any(lin.quant is not None or lin.packed is None or lin.packed.ours is None for lin in linears):
+            return None
+        q_norm, q_eps = _norm_args(attn.q_norm)
+        k_norm, k_eps = _norm_args(attn.k_norm)
+        weights += [layer.input_norm.weight, attn.qkv.packed.ours, attn.qkv.bias, q_norm, k_norm, attn.o.packed.ours,
+                    attn.o.bias, layer.post_attention_norm.weight, mlp.gate_up.packed.ours, mlp.gate_up.bias,
+                    mlp.down.packed.ours, mlp.down.bias]
+        eps += [layer.input_norm.eps, q_eps, k_eps, layer.post_attention_norm.eps]
+    attn = model.layers[0].attn
+    sizes = [len(model.layers), attn.q_size, attn.kv_size, attn.heads, attn.kv_heads, attn.head_dim,
+             model.layers[0].mlp.down.in_features]
+    return weights + [model.norm.weight], eps + [model.norm.eps], sizes, attn.scale
 
 
 def use_fused_kernels(model: nn.Module, ops=None, chunk_mlp: bool = False) -> None:
