@@ -113,10 +113,24 @@ def ensure_gguf(kind: str, folder: str = SMOLLM2) -> str:
     return target
 
 
+def amx() -> bool:
+    """Whether this CPU has AMX's int8 tiles (what ggml's AMX kernels run on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def serve(args: argparse.Namespace) -> None:
     """Replaces this process with llama-server on the GGUF (so that signals reach it directly)."""
     model = ensure_gguf(args.gguf, args.folder)
-    argv = [SERVER, "-m", model, "--alias", args.alias or os.path.basename(args.folder), *SERVER_FLAGS,
+    # On a Xeon with AMX, ggml repacks Q4_1 weights for its AMX kernel, which died of SIGILL at
+    # the first request on the twenty-sixth session's host (tinygemm_kernel_amx<block_q8_1,
+    # block_q4_1>); without repacking it serves on its AVX512 dot products. Q4_1 has no other
+    # repacked layout on x86, so CPUs without AMX run as before.
+    repack = ["--no-repack"] if args.gguf == "q4_1" and amx() else []
+    argv = [SERVER, "-m", model, "--alias", args.alias or os.path.basename(args.folder), *SERVER_FLAGS, *repack,
             *(["-c", str(args.ctx)] if args.ctx else []), "--host", "127.0.0.1", "--port", str(args.port)]
     print("+", " ".join(argv), flush=True)
     os.execv(SERVER, argv)

@@ -80,6 +80,22 @@ struct Step {
   float scale;
 };
 
+// v[i]'s 16 lanes summed, for each i: lane i of the result. Pairs of vectors, then pairs of those,
+// fold their lanes together (unpack, then 128-bit lane shuffles): 15 additions for 16 sums.
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 s[8], t[4], w[2];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i], v[2i+1]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: its four floats' sum for v[4i] .. v[4i+3]
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // [t0's lanes 0+1, t0's 2+3, t1's 0+1, t1's 2+3] (and t2, t3)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
 // One row and one key head: its `group` query heads against the row's first n keys.
 template <typename T>
 void attend_row(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
@@ -94,22 +110,30 @@ void attend_row(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<floa
     const T* qg = a.q + row * a.q_row + (kv_head * group + g) * a.q_head;
     for (int64_t c = 0; c < chunks; ++c) q[g][c] = D::load(qg + c * D::kStep);
   }
-  float peak[kMaxGroup];
-  std::fill(peak, peak + group, -std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kj = keys + j * dim;
-    __m512 acc[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const auto k = D::load(kj + c * D::kStep);
-      for (int64_t g = 0; g < group; ++g) acc[g] = D::add(acc[g], k, q[g][c]);
-    }
+  // Scores 16 keys at a time: each key's dot product with a query head is a vector of partial
+  // sums, and 16 of them reduce together into one vector of 16 scores (sum16), where reducing each
+  // on its own cost most of the step (a horizontal sum per key and query head). A query head's 16
+  // keys are read from L1 once per head of the group.
+  __m512 peaks[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) peaks[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 live = xllm_simd::lanes(n - j0);
+    const T* kj[16];
+    for (int64_t j = 0; j < 16; ++j) kj[j] = keys + std::min(j0 + j, n - 1) * dim;  // (past n: the last, masked)
     for (int64_t g = 0; g < group; ++g) {
-      float s = _mm512_reduce_add_ps(acc[g]) * a.scale;
-      scores[g * n + j] = s;
-      peak[g] = std::max(peak[g], s);
+      __m512 acc[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) acc[j] = D::add(acc[j], D::load(kj[j] + c * D::kStep), q[g][c]);
+      }
+      const __m512 s = _mm512_mul_ps(sum16(acc), scale);
+      _mm512_mask_storeu_ps(scores.data() + g * n + j0, live, s);
+      peaks[g] = _mm512_mask_max_ps(peaks[g], live, peaks[g], s);
     }
   }
+  float peak[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) peak[g] = _mm512_reduce_max_ps(peaks[g]);
   float total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores.data() + g * n;
