@@ -278,8 +278,8 @@ NATIVE_STEP = True
 
 def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float] | None:
     """What csrc/small_step.cpp takes for this model (its weights, eps and sizes, flat, and the
-    attention's scale), where it
-    can run it: our CPU kernels loaded with small_step, every linear packed for ours."""
+    attention's scale), where it can run it: our CPU kernels loaded with small_step, every linear
+    packed for ours; else None."""
     if model.fused is not torch.ops.xllm or not hasattr(torch.ops.xllm, "small_step"):
         return None
     weights, eps = [], []

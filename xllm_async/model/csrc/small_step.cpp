@@ -1,5 +1,5 @@
-// A decode step's layer loop in one call (model/llama.py NativeStep): the same operators in the
-// same order as llama.SmallStep runs them from Python, called here through the dispatcher.
+// A decode step's layer loop in one call (model/llama.py, SmallStep.native): the same operators in
+// the same order as llama.SmallStep runs them from Python, called here through the dispatcher.
 //
 // Why: a one-row decode step of SmolLM2-135M is ~85% linear kernels and ~10% host time: ~1,600
 // Python calls and ~400 operator calls from Python a step, each a few microseconds. From C++ an
@@ -82,20 +82,20 @@ Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, cons
   auto linear = [&](const Tensor& rows, int64_t layer, Entry packed, Entry bias, int64_t n) {
     return op.linear.call(rows, must(layer, packed), w(layer, bias), n);
   };
+  const int64_t qkv_n = sizes[kQSize] + 2 * sizes[kKvSize], hidden = x_in.size(1);
   Tensor x = x_in;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const double* e = eps.data() + layer * kEpsEntries;
-    const int64_t qkv_n = sizes[kQSize] + 2 * sizes[kKvSize];
     auto parts = linear(op.rms_norm.call(x, must(layer, kInNorm), e[kInEps]), layer, kQkv, kQkvBias, qkv_n)
                      .split_with_sizes(split, -1);
     Tensor q = op.rope.call(parts[0].view(q_shape), cos, sin, w(layer, kQNorm), e[kQEps]);
     Tensor k = op.rope.call(parts[1].view(kv_shape), cos, sin, w(layer, kKNorm), e[kKEps]);
     Tensor v = parts[2].view(kv_shape);
-    Tensor keys = slabs.select(0, layer).select(0, 0), values = slabs.select(0, layer).select(0, 1);
+    const Tensor slab = slabs.select(0, layer);
+    Tensor keys = slab.select(0, 0), values = slab.select(0, 1);
     keys.view(flat).index_copy_(0, slots, k.reshape(flat));  // (attention.Decode.attend)
     values.view(flat).index_copy_(0, slots, v.reshape(flat));
     Tensor attn = op.attention.call(q, keys, values, reads, scale).view({q.size(0), -1});
-    const int64_t hidden = x.size(1);
     auto [sum, normed] = op.add_rms_norm.call(linear(attn, layer, kO, kOBias, hidden), x, must(layer, kPostNorm),
                                               e[kPostEps]);
     Tensor gate_up = linear(normed, layer, kGateUp, kGateUpBias, 2 * sizes[kIntermediate]);
