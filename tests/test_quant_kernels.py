@@ -1,6 +1,8 @@
 """Our quantized linear (csrc/quant_linear.cpp, through QuantWeight.linear) against the reference
 arithmetic (model/quantized.py): tightly against a reference that rounds the activations to int8
-blocks as the kernel does, loosely against the plain float one."""
+blocks as the kernel does, loosely against the plain float one. On a CPU with AMX a prompt's bfloat16
+rows take bfloat16 tiles over the widened blocks instead: bit for bit our bfloat16 linear on the
+de-quantized weights."""
 
 import pytest
 import torch
@@ -45,12 +47,33 @@ def test_quantized_linear_matches_the_reference(kind, rows, dtype, with_bias):
     x = torch.randn(rows, in_features).to(dtype)
     out = weight.linear(x, bias)
     assert out.dtype == dtype and out.shape == (rows, out_features)
+    if dtype == torch.bfloat16 and torch.ops.xllm.quant_linear_widens(rows):
+        exact = torch.ops.xllm.linear(x, torch.ops.xllm.pack_linear(weight.dequantize(dtype)), bias, out_features)
+        assert torch.equal(out, exact)
+        return
     exact = expected(weight, x, bias)
     # float32 sums of exact integer block products; bfloat16 output: its rounding on top
     tight = 2e-5 if dtype == torch.float32 else 8e-3
     assert torch.allclose(out.double(), exact, rtol=tight, atol=tight * exact.abs().max().item())
     plain = weight.reference_linear(x, bias).double()
     assert torch.allclose(out.double(), plain, rtol=0.05, atol=0.05 * plain.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_prompts_rows_on_amx_are_our_bfloat16_linear_on_the_dequantized_weight(kind):
+    """Widened a chunk of groups at a time (1 MiB of bfloat16: a layer of 1,536 inputs widens 5 of its
+    12 groups a chunk) and shared out by columns or, for more rows than columns, by rows."""
+    if not torch.ops.xllm.quant_linear_widens(64):
+        pytest.skip("no AMX here: every row takes the VNNI loop")
+    torch.manual_seed(11)
+    for rows, out_features, in_features in ((24, 70, 96), (64, 760, 1536), (333, 100, 64)):
+        weight = QuantWeight.quantize(torch.randn(out_features, in_features), kind)
+        bias = torch.randn(out_features)
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+        plain = torch.ops.xllm.pack_linear(weight.dequantize(torch.bfloat16))
+        assert torch.equal(weight.linear(x, bias), torch.ops.xllm.linear(x, plain, bias, out_features))
+        tail = torch.ops.xllm.linear(x, plain, None, out_features)[:, 64:]
+        assert torch.equal(weight.columns(64, out_features).linear(x), tail)
 
 
 def test_rows_of_any_leading_shape_and_a_wide_layer():

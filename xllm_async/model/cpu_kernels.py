@@ -9,8 +9,9 @@ eager code makes four to eight (a bfloat16 prefill spent half its time in such p
 - a beam round's top k with its log-sum-exp (beam_topk.cpp);
 - the linear layers and the LM head of small-row steps (linear.cpp: AMX, else AVX512-BF16; float32
   on AVX512 FMAs);
-- the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI; model/quantized.py
-  checks it against its reference arithmetic and calls it).
+- the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI, a prompt's rows on
+  AMX's bfloat16 tiles where the CPU has them; model/quantized.py checks it against its reference
+  arithmetic and calls it).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU

@@ -9,7 +9,9 @@ one float16 scale per 32 weights of a row). A row's block b holds its inputs [32
 This module is the format and its reference arithmetic (dequantize, then a float linear). The
 fast kernel (csrc/quant_linear.cpp) reads the blocks repacked once (QuantWeight.packed) and rounds
 the activations to int8 blocks as llama.cpp does, so it matches the reference within that
-rounding; QuantWeight.linear takes it where it built and passed that check (kernel_verified)."""
+rounding; on a CPU with AMX, a prompt's bfloat16 rows (24 and more) go through bfloat16 tiles over
+the blocks widened to bfloat16 instead (what our bfloat16 linear gives on dequantize(bfloat16)).
+QuantWeight.linear takes it where it built and passed that check (kernel_verified)."""
 
 from __future__ import annotations
 
@@ -206,14 +208,15 @@ _kernel_ok: bool | None = None
 
 def kernel_verified() -> bool:
     """Whether torch.ops.xllm.quant_linear loaded here and matched reference_linear (once a process,
-    every format, bfloat16 and float32 rows, a decode step's rows and a prompt's, with a bias and a
-    ragged last tile)."""
+    every format, bfloat16 and float32 rows, a decode step's rows and a prompt's (each of the
+    kernel's paths), with a bias and a ragged last tile)."""
     global _kernel_ok
     with _kernel_lock:
         if _kernel_ok is None:
             _kernel_ok = _check_kernel()
             if _kernel_ok:
-                log.info("quantized linear: our AVX512-VNNI kernel (csrc/quant_linear.cpp)")
+                prompts = "; prompts on AMX bfloat16 tiles" if cpu_kernels.our_linear() == "amx" else ""
+                log.info("quantized linear: our AVX512-VNNI kernel (csrc/quant_linear.cpp)%s", prompts)
         return _kernel_ok
 
 
@@ -229,7 +232,7 @@ def _check_kernel() -> bool:
     x[:, ::BLOCK] = 127
     for kind in FORMATS:
         w = QuantWeight.quantize(weight, kind)
-        for dtype, rows in ((torch.float32, 3), (torch.bfloat16, 5), (torch.float32, 37)):  # (each loop)
+        for dtype, rows in ((torch.float32, 3), (torch.bfloat16, 5), (torch.float32, 37), (torch.bfloat16, 37)):
             try:
                 out = torch.ops.xllm.quant_linear(x[:rows].to(dtype), w.packed, kind, bias, w.out_features).float()
             except RuntimeError as exc:

@@ -34,7 +34,7 @@
 #include "avx512_bf16.h"
 
 #if defined(__AMX_BF16__)
-#include <ATen/native/CPUBlas.h>
+#include "amx_block.h"
 #endif
 
 namespace {
@@ -54,32 +54,8 @@ void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k] o
   at::native::cpublas::pack(block.size(0), kCols, kCols, kCols, at::kBFloat16, at::kBFloat16, block.data_ptr(), out);
 }
 
-// Rows [0, rows) of a (k wide) times one packed block, + bias, rounded into out (n wide) from
-// column n0: cols of the block's 64 are real.
-struct BlockProduct {
-  int64_t k, n;
-  const float* bias;
-
-  void operator()(const at::BFloat16* a, int64_t rows, const at::BFloat16* w, uint16_t* out, int64_t n0,
-                  int64_t cols) const {
-    alignas(64) float acc[kRows * kCols];
-    at::native::cpublas::brgemm(rows, kCols, k, k, kCols, kCols, false, a, w, acc, true);
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* dst = out + r * n + n0;
-      const float* src = acc + r * kCols;
-      for (int64_t j = 0; j < cols; j += 16) {
-        const __mmask16 live = xllm_simd::lanes(cols - j);
-        __m512 v = _mm512_maskz_loadu_ps(live, src + j);
-        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + n0 + j));
-        xllm_simd::store_bf16(dst + j, v, live);
-      }
-    }
-  }
-
-  // Other AMX code (oneDNN's primitives) loads its own tile layout without telling torch's
-  // brgemm, which would then skip reloading ours: give the tiles back after every call.
-  static void finish() { at::native::cpublas::brgemm_release(true); }
-};
+using BlockProduct = xllm_amx::BlockProduct;
+static_assert(xllm_amx::kBlockRows == kRows && xllm_amx::kBlockCols == kCols);
 
 #else  // AVX512-BF16 without AMX
 
