@@ -456,16 +456,21 @@ def biased_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("model", ["qwen3", "biased llama"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir, biased_llama_dir, monkeypatch,
-                                                                 dtype, model):
+                                                                 dtype, model, quantization):
     """A decode step of a few rows runs its layers as flat kernel calls: natively, in one call
     (csrc/small_step.cpp), or from Python (llama.SmallStep's loop): the same operations in the same
-    order as the generic forward, so the same logits to the last bit."""
-    from xllm_async.model import llama
+    order as the generic forward, so the same logits to the last bit; on plain weights packed for
+    our linear and on weights kept in GGUF blocks (int8: Q8_0) for our quantized one."""
+    from xllm_async.model import llama, quantized
     from xllm_async.runtime.model_runner import ModelRunner
 
     require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
-    runner = ModelRunner(small_qwen3_dir if model == "qwen3" else biased_llama_dir, torch.device("cpu"), dtype)
+    if quantization != "none" and not quantized.kernel_verified():
+        pytest.skip("our quantized kernel does not serve on this CPU")
+    runner = ModelRunner(small_qwen3_dir if model == "qwen3" else biased_llama_dir, torch.device("cpu"), dtype,
+                         quantization)
     runner.set_kv_cache(64 << 20, 1)
     small_steps = []
     run = llama.SmallStep.run

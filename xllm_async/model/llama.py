@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantized
 from .cpu_linear import EXACT_ROWS, PackedWeight, packed_linear, rows_padded
 from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from .quantized import QuantWeight
@@ -251,8 +252,8 @@ class SmallStep:
         if cache is not None:
             # The whole loop in one call (csrc/small_step.cpp): between_layers once, after it (the
             # step loop asks before every step too; a step is too short to widen in).
-            weights, eps, sizes, scale = self.native
-            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale)
+            weights, eps, sizes, scale, formats = self.native
+            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale, formats)
             if between_layers is not None:
                 between_layers()
             return x
@@ -276,28 +277,36 @@ class SmallStep:
 NATIVE_STEP = True
 
 
-def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float] | None:
-    """What csrc/small_step.cpp takes for this model (its weights, eps and sizes, flat, and the
-    attention's scale), where it can run it: our CPU kernels loaded with small_step, every linear
-    packed for ours; else None."""
+def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float, list[str]] | None:
+    """What csrc/small_step.cpp takes for this model (its weights, eps and sizes, flat, the
+    attention's scale and each linear's format), where it can run it: our CPU kernels loaded with
+    small_step, every linear packed for ours (format "") or kept in GGUF blocks where our quantized
+    kernel verified (its format); else None."""
     if model.fused is not torch.ops.xllm or not hasattr(torch.ops.xllm, "small_step"):
         return None
-    weights, eps = [], []
+    weights, eps, formats = [], [], []
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
-        linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
-        if any(lin.quant is not None or lin.packed is None or lin.packed.ours is None for lin in linears):
-            return None
+        linears = []
+        for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+            if lin.quant is not None and quantized.kernel_verified():
+                linears.append(lin.quant.packed)
+                formats.append(lin.quant.kind)
+            elif lin.quant is None and lin.packed is not None and lin.packed.ours is not None:
+                linears.append(lin.packed.ours)
+                formats.append("")
+            else:
+                return None
+        qkv, o, gate_up, down = linears
         q_norm, q_eps = _norm_args(attn.q_norm)
         k_norm, k_eps = _norm_args(attn.k_norm)
-        weights += [layer.input_norm.weight, attn.qkv.packed.ours, attn.qkv.bias, q_norm, k_norm, attn.o.packed.ours,
-                    attn.o.bias, layer.post_attention_norm.weight, mlp.gate_up.packed.ours, mlp.gate_up.bias,
-                    mlp.down.packed.ours, mlp.down.bias]
+        weights += [layer.input_norm.weight, qkv, attn.qkv.bias, q_norm, k_norm, o, attn.o.bias,
+                    layer.post_attention_norm.weight, gate_up, mlp.gate_up.bias, down, mlp.down.bias]
         eps += [layer.input_norm.eps, q_eps, k_eps, layer.post_attention_norm.eps]
     attn = model.layers[0].attn
     sizes = [len(model.layers), attn.q_size, attn.kv_size, attn.heads, attn.kv_heads, attn.head_dim,
              model.layers[0].mlp.down.in_features]
-    return weights + [model.norm.weight], eps + [model.norm.eps], sizes, attn.scale
+    return weights + [model.norm.weight], eps + [model.norm.eps], sizes, attn.scale, formats
 
 
 def use_fused_kernels(model: nn.Module, ops=None, chunk_mlp: bool = False) -> None:
