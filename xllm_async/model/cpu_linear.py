@@ -192,14 +192,19 @@ def chunk_rows(width: int, element_size: int) -> int:
 
 
 def in_chunks(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int,
-              out_features: int) -> torch.Tensor:
-    """mlp(x) [rows, out_features] computed over chunks of x's rows (chunk_rows of a gate/up
-    output `width` wide); one call where they fit in one."""
+              out_features: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """mlp(x) [rows, out_features] (+ residual, added as each chunk is written) computed over
+    chunks of x's rows (chunk_rows of a gate/up output `width` wide); one call where they fit in one."""
     rows = x.shape[0]
     chunk = chunk_rows(width, x.element_size())
     if rows <= chunk:
-        return mlp(x)
+        out = mlp(x)
+        return out if residual is None else out.add_(residual)
     out = x.new_empty(rows, out_features)
     for start in range(0, rows, chunk):
-        out[start:start + chunk] = mlp(x[start:start + chunk])
+        part = mlp(x[start:start + chunk])
+        if residual is None:
+            out[start:start + chunk] = part
+        else:
+            torch.add(part, residual[start:start + chunk], out=out[start:start + chunk])
     return out

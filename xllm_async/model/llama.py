@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         if self.fused:
             x, normed = self.fused.add_rms_norm(attn, x, self.post_attention_norm.weight,
                                                 self.post_attention_norm.eps)
-            return x + self.mlp(normed)
+            return self.mlp(normed, residual=x)
         x = x + attn
         return x + self.mlp(self.post_attention_norm(x))
 
