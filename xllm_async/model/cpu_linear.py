@@ -183,20 +183,26 @@ def rows_padded(x: torch.Tensor) -> torch.Tensor:
 # the ones that reach oneDNN have row counts it already has kernels for (padded_rows).
 MLP_CHUNK_BYTES = 2 << 20
 CHUNK_ROW_STEP = 256  # chunks are whole multiples of it, and never fewer rows
+# Quantized weights are widened to bfloat16 at every call on a CPU with AMX (csrc/quant_linear.cpp),
+# so their MLP takes larger chunks, which widen them fewer times: SmolLM2 Q4_1, 16 x 320 tokens,
+# Xeon, 2 threads 1,019 -> 902 ms a prefill, one thread 1,724 -> 1,661 (bfloat16 was level).
+QUANT_MLP_CHUNK_BYTES = 8 << 20
 
 
-def chunk_rows(width: int, element_size: int) -> int:
-    """Rows a chunk of a prefill's MLP takes (MLP_CHUNK_BYTES), its gate/up output `width` wide."""
-    rows = MLP_CHUNK_BYTES // (width * element_size) // CHUNK_ROW_STEP * CHUNK_ROW_STEP
+def chunk_rows(width: int, element_size: int, chunk_bytes: int | None = None) -> int:
+    """Rows a chunk of a prefill's MLP takes (chunk_bytes, else MLP_CHUNK_BYTES), its gate/up output
+    `width` wide."""
+    rows = (chunk_bytes or MLP_CHUNK_BYTES) // (width * element_size) // CHUNK_ROW_STEP * CHUNK_ROW_STEP
     return min(max(rows, CHUNK_ROW_STEP), 2048)
 
 
 def in_chunks(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int,
-              out_features: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+              out_features: int, residual: torch.Tensor | None = None,
+              chunk_bytes: int | None = None) -> torch.Tensor:
     """mlp(x) [rows, out_features] (+ residual, added as each chunk is written) computed over
     chunks of x's rows (chunk_rows of a gate/up output `width` wide); one call where they fit in one."""
     rows = x.shape[0]
-    chunk = chunk_rows(width, x.element_size())
+    chunk = chunk_rows(width, x.element_size(), chunk_bytes)
     if rows <= chunk:
         out = mlp(x)
         return out if residual is None else out.add_(residual)

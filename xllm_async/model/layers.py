@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_linear import CHUNK_ROW_STEP, PackedWeight, in_chunks, packed_linear
+from .cpu_linear import CHUNK_ROW_STEP, QUANT_MLP_CHUNK_BYTES, PackedWeight, in_chunks, packed_linear
 from .quantized import QuantWeight
 
 
@@ -112,7 +112,9 @@ class GatedMlp(nn.Module):
             return out if residual is None else residual + out
         # (a decode step's few rows never chunk: no arithmetic for them, per layer per token)
         if self.chunked and x.shape[0] > CHUNK_ROW_STEP:
-            return in_chunks(self.fused_forward, x, self.gate_up.out_features, self.down.out_features, residual)
+            chunk_bytes = QUANT_MLP_CHUNK_BYTES if self.gate_up.quant is not None else None
+            return in_chunks(self.fused_forward, x, self.gate_up.out_features, self.down.out_features, residual,
+                             chunk_bytes)
         out = self.fused_forward(x)
         return out if residual is None else out.add_(residual)  # (addition commutes: bit for bit x + mlp)
 
