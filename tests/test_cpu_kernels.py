@@ -367,13 +367,17 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monkeypatch, dtype):
-    """A long prefill's MLP runs over chunks of rows (cpu_linear.MLP_CHUNK_BYTES), each row as it would alone."""
-    from xllm_async.model import cpu_linear, layers
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monkeypatch, dtype, quantization):
+    """A long prefill's MLP runs over chunks of rows (cpu_linear.MLP_CHUNK_BYTES; quantized weights
+    QUANT_MLP_CHUNK_BYTES), each row as it would alone, the layer's residual added as each is written."""
+    from xllm_async.model import cpu_linear, layers, quantized
     from xllm_async.runtime.model_runner import ModelRunner
 
     require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
-    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype)
+    if quantization != "none" and not quantized.kernel_verified():
+        pytest.skip("our quantized kernel does not serve on this CPU")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), dtype, quantization)
     assert runner.model.layers[0].mlp.fused
     prompts = random_prompts(51, [200, 250, 233, 200])  # (the tiny model takes 256 positions)
     rows = []
@@ -381,17 +385,19 @@ def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monk
     monkeypatch.setattr(layers.GatedMlp, "fused_forward", lambda self, x: rows.append(x.shape[0]) or fused(self, x))
 
     def prefill(chunk_bytes: int) -> torch.Tensor:
-        monkeypatch.setattr(cpu_linear, "MLP_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(cpu_linear, "MLP_CHUNK_BYTES", chunk_bytes if quantization == "none" else 1)
+        monkeypatch.setattr(layers, "QUANT_MLP_CHUNK_BYTES", chunk_bytes if quantization != "none" else 1)
         rows.clear()
         with torch.inference_mode():
             return runner.prefill(prompts)[0]
 
     chunked = prefill(1)  # chunks of the fewest rows, 256
-    tail = 883 % 256 if dtype == "float32" else 896 % 256  # (bfloat16 rows reach oneDNN padded: 896)
+    # (plain bfloat16 rows reach oneDNN padded: 896)
+    tail = 896 % 256 if dtype == "bfloat16" and quantization == "none" else 883 % 256
     assert rows[:4] == [256, 256, 256, tail]  # (the first layer's; the last layer's MLP sees last tokens only)
     whole = prefill(1 << 40)  # one chunk: 883 rows are within the most a chunk takes (2,048)
     assert rows[0] > 256
-    if dtype == "float32":  # (one linear kernel for every row count)
+    if dtype == "float32" or quantization != "none":  # (one linear kernel for every row count of a chunk)
         assert torch.equal(chunked, whole)
     else:  # (a last chunk of few rows may take our linear where the whole took oneDNN's)
         torch.testing.assert_close(chunked, whole, atol=0.05, rtol=0.02)
