@@ -105,7 +105,7 @@ class GatedMlp(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP of x's rows, + residual where given (the layer's residual add, made as each chunk
-        of rows is written: a pass of its own over a prompt's rows was ~7% of a prefill)."""
+        of rows is written rather than in a pass of its own over a prompt's rows)."""
         if not self.fused:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             out = self.down(F.silu(gate) * up)

@@ -277,7 +277,7 @@ void dispatch(Kind kind, const Activations& a, int64_t m, const uint8_t* w, int6
 // our bfloat16 linear's speed (it reads fewer bytes), where the VNNI loop above was 0.36-0.46x
 // (perf/experiments/quant_linear.py, Xeon). AMX's int8 products were tried first and lose: their
 // sums come out per 32-input block (a tile store, 16 conversions and scalings each, and a store
-// after a product waits ~50 cycles for it), 1.3x the VNNI loop at 320 rows, not 2.6x.
+// after a product waits ~50 cycles for it), 1.2x the VNNI loop at 320 rows, not 2.6x.
 // The activations stay bfloat16 here (not rounded to int8 blocks): a prompt's rows get exactly
 // what our bfloat16 linear gives on the weights de-quantized to bfloat16 (tested bit for bit),
 // a little nearer the reference than a decode step's rows, which the VNNI loop serves.
