@@ -32,6 +32,7 @@
 
 #if defined(__AVX512BF16__)
 #include "avx512_bf16.h"
+#include "blocked_linear.h"
 
 #if defined(__AMX_BF16__)
 #include "amx_block.h"
@@ -39,10 +40,8 @@
 
 namespace {
 
-constexpr int64_t kCols = 64;  // a column block: one packed weight block
-constexpr int64_t kRows = 32;  // rows a block product (on AMX: two tiles of 16)
-// Packed weights a thread keeps in its L2 while every row block passes them (bytes).
-constexpr int64_t kWeightChunk = 1 << 20;
+using xllm_blocked::kCols;
+using xllm_blocked::kRows;
 constexpr int kVectors = kCols / 16;  // a block's 64 columns: four vectors of 16 float32 sums
 constexpr int kRowGroup = 4;          // rows sharing each weight vector load (our loops): 16 accumulators
 
@@ -55,7 +54,6 @@ void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k] o
 }
 
 using BlockProduct = xllm_amx::BlockProduct;
-static_assert(xllm_amx::kBlockRows == kRows && xllm_amx::kBlockCols == kCols);
 
 #else  // AVX512-BF16 without AMX
 
@@ -188,48 +186,6 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   return packed;
 }
 
-// One thread's share: row blocks [row_first, row_last) x column blocks [col_first, col_last).
-struct Share {
-  int64_t row_first, row_last, col_first, col_last;
-};
-
-// x [m, k] (T: at::BFloat16 or float) times the packed blocks into out [m, n] (O: its raw type).
-template <typename T, typename O, typename Product>
-void blocked_linear(const T* a, const T* w, O* o, int64_t m, int64_t k, int64_t n, int64_t col_blocks,
-                    const Product& product) {
-  const int64_t row_blocks = (m + kRows - 1) / kRows;
-  const int64_t chunk = std::max<int64_t>(1, kWeightChunk / (int64_t(sizeof(T)) * k * kCols));  // kept in L2
-
-  auto run = [&](const Share& s) {
-    for (int64_t c0 = s.col_first; c0 < s.col_last; c0 += chunk) {
-      const int64_t c1 = std::min(s.col_last, c0 + chunk);
-      for (int64_t rb = s.row_first; rb < s.row_last; ++rb) {
-        const int64_t r0 = rb * kRows, rows = std::min(kRows, m - r0);
-        for (int64_t cb = c0; cb < c1; ++cb)  // a row's columns of this chunk in one run
-          product(a + r0 * k, rows, w + cb * k * kCols, o + r0 * n, cb * kCols, std::min(kCols, n - cb * kCols));
-      }
-    }
-    Product::finish();
-  };
-
-  // Threads split the rows (each reads all the weights and its own rows) where the rows outnumber
-  // the columns, as in a long prefill through a narrow layer; otherwise the columns (each reads
-  // all the rows and its share of the weights), as in a decode step: whichever reads less.
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const bool by_rows = m > n && row_blocks >= threads;
-  const int used = static_cast<int>(std::min<int64_t>(threads, by_rows ? row_blocks : col_blocks));
-  auto share = [&](int t, int nt) {
-    if (by_rows) return Share{row_blocks * t / nt, row_blocks * (t + 1) / nt, 0, col_blocks};
-    return Share{0, row_blocks, col_blocks * t / nt, col_blocks * (t + 1) / nt};
-  };
-  if (used > 1) {
-#pragma omp parallel num_threads(used)
-    run(share(omp_get_thread_num(), omp_get_num_threads()));
-  } else {
-    run(share(0, 1));
-  }
-}
-
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                   int64_t n) {
   const bool f32 = input.scalar_type() == at::kFloat;
@@ -253,12 +209,14 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const std::
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   if (f32) {
-    blocked_linear(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), m, k, n, col_blocks,
-                   Float32Product{k, n, b});
+    const float* w = packed.data_ptr<float>();
+    xllm_blocked::blocked_linear(x.data_ptr<float>(), out.data_ptr<float>(), m, k, n, col_blocks,
+                                 Float32Product{k, n, b}, [&](int64_t c0, int64_t) { return w + c0 * k * kCols; });
   } else {
-    blocked_linear(reinterpret_cast<const at::BFloat16*>(x.data_ptr()),
-                   reinterpret_cast<const at::BFloat16*>(packed.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
-                   m, k, n, col_blocks, BlockProduct{k, n, b});
+    const auto* w = reinterpret_cast<const at::BFloat16*>(packed.data_ptr());
+    xllm_blocked::blocked_linear(reinterpret_cast<const at::BFloat16*>(x.data_ptr()),
+                                 reinterpret_cast<uint16_t*>(out.data_ptr()), m, k, n, col_blocks,
+                                 BlockProduct{k, n, b}, [&](int64_t c0, int64_t) { return w + c0 * k * kCols; });
   }
   return out;
 }

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "amx_block.h"
+#include "blocked_linear.h"
 #endif
 
 namespace {
@@ -271,7 +272,7 @@ void dispatch(Kind kind, const Activations& a, int64_t m, const uint8_t* w, int6
 #if defined(__AMX_BF16__)
 
 // A prompt's bfloat16 rows on a CPU with AMX: the weights widened to bfloat16, a chunk of groups at
-// a time into a thread's scratch (the layout our bfloat16 linear packs: [K/2][64][2]), then every
+// a time (1 MiB widened) into a thread's scratch (the layout our bfloat16 linear packs: [K/2][64][2]), then every
 // row block through AMX's bfloat16 tiles, as our bfloat16 linear runs (amx_block.h). Widening is
 // one pass over the chunk's weights, which every row block then shares: at 320 rows 1.07-1.22x
 // our bfloat16 linear's speed (it reads fewer bytes), where the VNNI loop above was 0.36-0.46x
@@ -282,7 +283,6 @@ void dispatch(Kind kind, const Activations& a, int64_t m, const uint8_t* w, int6
 // what our bfloat16 linear gives on the weights de-quantized to bfloat16 (tested bit for bit),
 // a little nearer the reference than a decode step's rows, which the VNNI loop serves.
 constexpr int64_t kWidenFrom = 24;  // rows from which bfloat16 rows take this path (fewer: the VNNI loop is as fast)
-constexpr int64_t kWidenChunk = 1 << 20;  // widened bytes a thread keeps in L2 while the rows pass
 
 // Two vectors of 16 columns' values (inputs 2p and 2p + 1) as pair p of the packed layout.
 inline __m512i bf16_pairs(__m512 even, __m512 odd) {
@@ -337,43 +337,22 @@ void widen_group(const uint8_t* w, int64_t blocks, uint16_t* out) {
   }
 }
 
-// x [m, k] bfloat16 times the groups, widened a chunk at a time, + bias, into out [m, n]. Threads
-// split the rows where they outnumber the columns, else the groups (as our bfloat16 linear does).
+// x [m, k] bfloat16 times the groups, widened a chunk at a time (blocked_linear.h's chunks: its
+// column blocks are our groups), + bias, into out [m, n].
 template <Kind K>
 void widened_product(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* w, int64_t groups, const float* bias,
                      uint16_t* out, int64_t n) {
-  constexpr int64_t cols = kGroup * kTile;
-  const int64_t blocks = k / kBlock, group_bytes = blocks * record_bytes(K), widened_group = k * cols;
-  const int64_t row_blocks = (m + xllm_amx::kBlockRows - 1) / xllm_amx::kBlockRows;
-  const int64_t chunk = std::max<int64_t>(1, kWidenChunk / (widened_group * 2));
-  const xllm_amx::BlockProduct product{k, n, bias};
-  auto run = [&](int64_t row_first, int64_t row_last, int64_t group_first, int64_t group_last) {
+  static_assert(kGroup * kTile == xllm_blocked::kCols);
+  const int64_t blocks = k / kBlock, group_bytes = blocks * record_bytes(K), widened_group = k * xllm_blocked::kCols;
+  auto widen = [&](int64_t c0, int64_t c1) {  // (on each thread, into its own scratch)
     // (on a cache line: a tile row of 64 bytes across two lines took twice as long to load)
     thread_local std::vector<uint16_t> scratch;
-    scratch.resize(std::min(chunk, group_last - group_first) * widened_group + 32);
-    uint16_t* widened = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-    for (int64_t c0 = group_first; c0 < group_last; c0 += chunk) {
-      const int64_t c1 = std::min(group_last, c0 + chunk);
-      for (int64_t g = c0; g < c1; ++g) widen_group<K>(w + g * group_bytes, blocks, widened + (g - c0) * widened_group);
-      for (int64_t rb = row_first; rb < row_last; ++rb) {
-        const int64_t r0 = rb * xllm_amx::kBlockRows, rows = std::min(xllm_amx::kBlockRows, m - r0);
-        for (int64_t g = c0; g < c1; ++g)
-          product(x + r0 * k, rows, reinterpret_cast<const at::BFloat16*>(widened) + (g - c0) * widened_group,
-                  out + r0 * n, g * cols, std::min(cols, n - g * cols));
-      }
-    }
-    xllm_amx::BlockProduct::finish();
+    scratch.resize((c1 - c0) * widened_group + 32);
+    auto* widened = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    for (int64_t g = c0; g < c1; ++g) widen_group<K>(w + g * group_bytes, blocks, widened + (g - c0) * widened_group);
+    return reinterpret_cast<const at::BFloat16*>(widened);
   };
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const bool by_rows = m > n && row_blocks >= threads;
-  const int64_t used = std::min(threads, by_rows ? row_blocks : groups);
-  xllm_parallel::interleaved_items(used, [&](int64_t t, int64_t, int64_t nt) {
-    if (by_rows) {
-      run(row_blocks * t / nt, row_blocks * (t + 1) / nt, 0, groups);
-    } else {
-      run(0, row_blocks, groups * t / nt, groups * (t + 1) / nt);
-    }
-  });
+  xllm_blocked::blocked_linear(x, out, m, k, n, groups, xllm_amx::BlockProduct{k, n, bias}, widen);
 }
 
 bool widens(int64_t m, bool f32) { return !f32 && m >= kWidenFrom; }
@@ -390,7 +369,6 @@ void widened(Kind kind, const at::BFloat16* x, int64_t m, int64_t k, const uint8
 #else
 
 bool widens(int64_t, bool) { return false; }
-void widened(Kind, const at::BFloat16*, int64_t, int64_t, const uint8_t*, int64_t, const float*, uint16_t*, int64_t) {}
 
 #endif  // __AMX_BF16__
 
@@ -417,11 +395,13 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& packed, const
   }
   auto out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
+#if defined(__AMX_BF16__)
   if (widens(m, f32)) {
     widened(kind, reinterpret_cast<const at::BFloat16*>(x.data_ptr()), m, k, packed.data_ptr<uint8_t>(), packed.size(0),
             b, reinterpret_cast<uint16_t*>(out.data_ptr()), n);
     return out;
   }
+#endif
   // int8 quants, then the scales and sums (4-byte aligned: k is a multiple of 32)
   auto scratch = at::empty({m * k + m * blocks * 8}, x.options().dtype(at::kByte));
   auto* q = reinterpret_cast<int8_t*>(scratch.data_ptr());
