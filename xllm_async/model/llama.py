@@ -306,7 +306,8 @@ def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float, 
     attn = model.layers[0].attn
     sizes = [len(model.layers), attn.q_size, attn.kv_size, attn.heads, attn.kv_heads, attn.head_dim,
              model.layers[0].mlp.down.in_features]
-    return weights + [model.norm.weight], eps + [model.norm.eps], sizes, attn.scale, formats
+    # (none where every linear is plain: the call converts the list at every step)
+    return weights + [model.norm.weight], eps + [model.norm.eps], sizes, attn.scale, formats if any(formats) else []
 
 
 def use_fused_kernels(model: nn.Module, ops=None, chunk_mlp: bool = False) -> None:
