@@ -23,7 +23,7 @@ import time
 import servers
 
 import xllm_async  # noqa: F401  (OpenMP spinning and the malloc arena, set before torch loads)
-from xllm_async.engine.sampling import argmax_rows
+from xllm_async.execution.sampling import argmax_rows
 from xllm_async.model import llama
 from xllm_async.runtime.device import StreamBinding, resolve_device
 from xllm_async.runtime.model_runner import ModelRunner, load_runner

@@ -23,7 +23,7 @@ import servers
 from cli import positive_ints
 
 import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
-from xllm_async.engine.sampling import argmax_rows
+from xllm_async.execution.sampling import argmax_rows
 from xllm_async.runtime.device import StreamBinding, resolve_device
 from xllm_async.runtime.model_runner import ModelRunner, load_runner
 

@@ -8,7 +8,7 @@ the gap to perf/sweep.py's served numbers is what serving costs.
 The pieces are the server's own: one `ModelRunner` (weights loaded once, shared), N
 `ExecutionSlot` threads each entering its `StreamBinding` (on CPU: cores // N torch threads
 each; on accelerators: a stream each), and `GenerationBatch` prefill + decode rounds to
-completion on a slot thread, exactly as `FixedStepsBatcher` runs a batch. Each step's
+completion on a slot thread, exactly as `FixedStepsScheduler` runs a batch. Each step's
 (request, delta) items are produced and handed to a `deliver` that only counts them, where
 the server would wake the event loop.
 
@@ -42,9 +42,10 @@ import sweep
 from cli import positive_ints
 
 import xllm_async  # noqa: F401  (sets torch_npu autoloading and OpenMP spinning before torch loads)
-from xllm_async.engine.batch import GenerationBatch
+from xllm_async.engine.params import SamplingParams
 from xllm_async.engine.request import EngineRequest
-from xllm_async.engine.sampling import SamplingParams
+from xllm_async.execution.batch import GenerationBatch
+from xllm_async.execution.prepare import prepare
 from xllm_async.runtime.device import resolve_device
 from xllm_async.runtime.executor import ExecutionSlot, start_slots
 from xllm_async.runtime.model_runner import ModelRunner, load_runner
@@ -128,9 +129,9 @@ def new_requests(prompts: list[list[int]], output_len: int) -> list[EngineReques
 
 
 def run_to_completion(runner: ModelRunner, requests: list[EngineRequest], deliver) -> None:
-    """Prefill, then decode rounds until every sequence is done: FixedStepsBatcher's slot job."""
+    """Prefill, then decode rounds until every sequence is done: FixedStepsScheduler's slot job."""
     for req in requests:  # (Engine.submit's part)
-        req.prepare(runner)
+        prepare(runner, req)
     batch = GenerationBatch(runner, requests)
     deliver(batch.prefill())
     while batch:

@@ -13,8 +13,8 @@ perf/bench_serving.py in a subprocess, records the server with py-spy (all threa
   tokenise   text -> token ids (only string prompts; token-id prompts skip it)
   schedule   batcher, budgets, engine bookkeeping, delivery to waiting handlers
   forward    the model forward (torch / transformers)
-  sample     logits -> tokens (engine/sampling)
-  detokenise token ids -> text (engine/detokenizer, tokenizer.decode)
+  sample     logits -> tokens (execution/sampling)
+  detokenise token ids -> text (execution/detokenizer, tokenizer.decode)
   respond    response JSON and SSE framing (api/responses, api/generation, api/app)
   write      transport writes (http/response, protocol.write)
 
@@ -46,8 +46,8 @@ import servers
 
 # (stage, fragments of a frame that place a sample in it), checked innermost frame first.
 STAGES = [
-    ("sample", ("engine/sampling.py",)),
-    ("detokenise", ("engine/detokenizer.py", "tokenization_utils", "decode (")),
+    ("sample", ("execution/sampling.py",)),
+    ("detokenise", ("execution/detokenizer.py", "tokenization_utils", "decode (")),
     ("tokenise", ("encode (", "apply_chat_template")),
     ("forward", ("torch/", "transformers/", "model_runner.py")),
     ("parse", ("http/request.py", "http/protocol.py", "api/requests.py", "api/prompts.py", "api/fields.py",

@@ -138,7 +138,7 @@ def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
     """Two slots that had each grown an OpenMP pool over every core ran a lone request no faster
     than on one core (executor.start_slots): only slot 0 widens, and the scheduler gives it the
     next batch whenever it is idle."""
-    from xllm_async.engine.policies import CoreRule
+    from xllm_async.engine.policies import pick_slot
     from xllm_async.runtime.executor import start_slots
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
@@ -146,9 +146,9 @@ def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
     try:
         assert [(s.binding.cpu_threads, s.binding.all_threads) for s in slots] == [(2, 4), (2, 2)]
         idle = [slots[1], slots[0]]  # the most recently freed last
-        assert idle.pop(CoreRule.pick(idle)) is slots[0] and idle.pop(CoreRule.pick(idle)) is slots[1]
+        assert idle.pop(pick_slot(idle)) is slots[0] and idle.pop(pick_slot(idle)) is slots[1]
         idle = [slots[0], slots[1]]
-        assert idle.pop(CoreRule.pick(idle)) is slots[0]
+        assert idle.pop(pick_slot(idle)) is slots[0]
     finally:
         for slot in slots:
             slot.stop()
@@ -163,8 +163,10 @@ def test_only_slot_0_may_take_every_core_while_alone(monkeypatch):
 def test_a_forward_on_slot_0_takes_every_core_at_the_next_layer_once_alone(tiny_model_dir, monkeypatch):
     """A prefill that began beside another slot's batch runs on its share of the cores; once the
     other batch ends, the forward widens at its next layer (the core rule, handed to the forward as
-    between_layers: CoreRule.cores), not at its next forward. Slot 1, which never widens, is handed none."""
-    from xllm_async.engine.policies import CoreRule
+    between_layers: the slot's SlotHandoff.cores, reading what the loop published), not at its next
+    forward."""
+    from xllm_async.engine.budget import BatchBudget
+    from xllm_async.engine.handoff import SlotHandoff, WaitingQueue
     from xllm_async.model import llama
     from xllm_async.runtime.executor import start_slots
     from xllm_async.runtime.model_runner import ModelRunner
@@ -172,27 +174,26 @@ def test_a_forward_on_slot_0_takes_every_core_at_the_next_layer_once_alone(tiny_
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
     runner.set_kv_cache(16 << 20, 2)
-    other_busy = threading.Event()
-    other_busy.set()
     seen = []
+    handoffs = []
     layer_forward = llama.DecoderLayer.forward
 
     def recording(self, *args, **kwargs):
         seen.append(torch.get_num_threads())
         out = layer_forward(self, *args, **kwargs)
-        other_busy.clear()  # the other slot's batch ends during the first layer
+        handoffs[0].may_widen = True  # the other slot's batch ends during the first layer: the loop says so
         return out
 
     monkeypatch.setattr(llama.DecoderLayer, "forward", recording)
     slots = start_slots(torch.device("cpu"), 2)
     try:
-        cores = {slot.index: CoreRule.cores(slot.binding, lambda: not other_busy.is_set()) for slot in slots}
-        assert cores[0] is not None and cores[1] is None
+        handoffs.extend(SlotHandoff(slot, WaitingQueue(), BatchBudget(8, 64), post=None) for slot in slots)
+        assert slots[0].binding.can_widen and not slots[1].binding.can_widen
         done = threading.Event()
 
         def job(slot):
             slot.binding.share_cores(False)  # began beside the other slot's batch
-            runner.prefill([[1, 2, 3, 4]], between_layers=cores[0])
+            runner.prefill([[1, 2, 3, 4]], between_layers=handoffs[0].cores)
             seen.append(torch.get_num_threads())  # after the forward: still wide
             done.set()
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.detokenizer import IncrementalDetokenizer
+from xllm_async.engine.params import SamplingParams
 from xllm_async.engine.request import EngineRequest
-from xllm_async.engine.sampling import SamplingParams, sample
+from xllm_async.execution.detokenizer import IncrementalDetokenizer
+from xllm_async.execution.sampling import sample
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_detokenizer_never_splits_a_multibyte_character(tokenizer):
 
 def make_request(tokenizer, stop=(), max_tokens=50, index=0) -> EngineRequest:
     req = EngineRequest(index, [1, 2, 3], SamplingParams(max_tokens=max_tokens, stop=tuple(stop)), sink=None)
-    req.bind(tokenizer, frozenset({151645}), 1000)
+    req.bind(IncrementalDetokenizer(tokenizer), frozenset({151645}), 1000)
     return req
 
 
@@ -127,7 +128,7 @@ def test_sampling_follows_the_distribution_and_the_filters():
 
 
 def test_argmax_rows_answers_as_torch_argmax_on_ties_nans_and_views():
-    from xllm_async.engine.sampling import argmax_rows
+    from xllm_async.execution.sampling import argmax_rows
 
     torch.manual_seed(0)
     with torch.inference_mode():  # as on a slot thread
@@ -148,8 +149,8 @@ def test_budget_counts_a_beam_as_copied_rows_where_prompts_are_not_shared():
     transformers engine copies the prompt into every beam: beam_width rows of prompt + rounds - 1."""
     from collections import deque
 
-    from xllm_async.engine.beam import BeamRequest
     from xllm_async.engine.budget import BatchBudget
+    from xllm_async.engine.request import BeamRequest
 
     beam = BeamRequest(0, [1] * 10, 128, 20, None)
     assert BatchBudget(1024, 8192, packed=True, kv_tokens=4096).cache_alone(beam) == 10 + 128 * 19

@@ -69,8 +69,8 @@ async def test_a_failing_decode_step_answers_500_mid_stream_too(faulty_runner, t
         # stop_token_ids cannot make the model emit POISON; ask for it via a forced decode input instead:
         # a batch whose running tokens include POISON fails at its next decode.
         from xllm_async.engine.output import OutputStream
+        from xllm_async.engine.params import SamplingParams
         from xllm_async.engine.request import EngineRequest
-        from xllm_async.engine.sampling import SamplingParams
 
         stream = OutputStream(1)
         req = EngineRequest(0, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), stream)

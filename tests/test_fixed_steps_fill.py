@@ -16,10 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xllm_async.config import Settings
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.fixed_steps import FixedStepsBatcher
-from xllm_async.engine.policies import FILL_RETURNS, RETURN_WITHIN, SPLIT_AT, CoreRule, ReturnEstimate
+from xllm_async.engine.fixed_steps import FixedStepsScheduler
+from xllm_async.engine.handoff import SlotHandoff, WaitingQueue
+from xllm_async.engine.params import SamplingParams
+from xllm_async.engine.policies import FILL_RETURNS, RETURN_WITHIN, SPLIT_AT, ReturnEstimate
 from xllm_async.engine.request import EngineRequest
-from xllm_async.engine.sampling import SamplingParams
 from xllm_async.metrics import Metrics
 from xllm_async.runtime.model_runner import ModelRunner
 from xllm_async.service import Service
@@ -37,19 +38,20 @@ class HeldSlot:
         self.batches: list[list] = []
 
     def submit(self, job) -> None:
-        self.batches.append(job.args[1])  # functools.partial(run the batch, slot, batch, ...)
+        self.batches.append(job.args[1])  # StepLoop.run_handed(handoff, batch, wide, split)
 
 
 def request(max_tokens: int = 1, prompt_len: int = 3) -> EngineRequest:
     return EngineRequest(0, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), sink=None)
 
 
-def finished_elsewhere(batcher: FixedStepsBatcher, clock, size: int, prefill_seconds: float) -> None:
+def finished_elsewhere(batcher: FixedStepsScheduler, clock, size: int, prefill_seconds: float) -> None:
     """As if a batch of `size` had just finished on a slot outside the test: its clients are on their way."""
     batcher.returns.finished(clock.time(), size, prefill_seconds)
+    batcher._publish()  # (the scheduler tells its slots after every change it makes itself)
 
 
-async def started(batcher: FixedStepsBatcher, slots: list[HeldSlot]) -> list[list]:
+async def started(batcher: FixedStepsScheduler, slots: list[HeldSlot]) -> list[list]:
     for _ in range(20):  # loop iterations, not time: the batcher coroutine runs whatever is due
         await asyncio.sleep(0)
     return [b for s in slots for b in s.batches]
@@ -95,7 +97,8 @@ async def running_batcher(num_slots: int, lag: float = 0.0, metrics=None, wide: 
     (batcher, slots, clock). wide: slot 0 takes every core while alone, as on a CPU."""
     slots = [HeldSlot(i, wide and i == 0) for i in range(num_slots)]
     clock = ManualClock(asyncio.get_running_loop(), lag)
-    batcher = FixedStepsBatcher(None, slots, BatchBudget(256, 8192), lambda items: None, clock, metrics)
+    steps = {slot.index: SimpleNamespace(run_handed=None) for slot in slots}  # HeldSlot never runs them
+    batcher = FixedStepsScheduler(steps, slots, BatchBudget(256, 8192), clock, metrics)
     batcher.start()
     try:
         yield batcher, slots, clock
@@ -207,9 +210,9 @@ async def test_once_every_answered_client_is_back_a_freed_slot_waits_no_more(two
     batcher.add([request(prompt_len=320) for _ in range(32)])  # all back together
     # The token budget (8192) lets one slot take 25; the other slot starts on the other 7 at
     # once: nobody else is coming, so waiting for company would idle it for a whole prefill.
-    # (Slot 0 takes the first whenever it is idle: CoreRule.pick.)
+    # (No slot here may widen, so the one freed last, slot 1, takes the first: policies.pick_slot.)
     await started(batcher, slots)
-    assert [[len(b) for b in s.batches] for s in slots] == [[16, 25], [16, 7]]
+    assert [[len(b) for b in s.batches] for s in slots] == [[16, 7], [16, 25]]
 
 
 async def test_a_batch_that_waited_for_company_is_counted_with_its_wait():
@@ -376,8 +379,8 @@ async def test_long_ones_join_only_into_free_seats(wide_slot):
     assert batcher.joining[0] == 2
     batcher.ended(slots[1], 1, 0.010)
     seated = Seated([request(max_tokens=500)])  # slot 0's batch, as its thread made it...
-    batcher.made(0, seated)
-    assert len(batcher.joiners(0, seated)) == 2  # ...took them in, and two of its three have finished since
+    batcher.handoff(0).made(seated)
+    assert len(batcher.handoff(0).joiners(seated)) == 2  # ...took them in, and two of its three have finished since
     batcher.add([request(max_tokens=500) for _ in range(3)])
     assert batcher.joining[0] == 2 and len(batcher.waiting) == 0  # its two free seats, and...
     assert [len(b) for b in await started(batcher, slots)] == [1, 1, 1]  # ...slot 1 for the last
@@ -395,7 +398,7 @@ async def test_after_a_wide_batch_its_own_thread_takes_what_waited(wide_slot):
     batcher.returns.return_delay = 0.010  # requests arrive on their own: a prefill after an answer
     batcher.add([request()])
     batcher.add([request(), request()])
-    following = batcher.follow_on(prefill_seconds=0.010)  # what slot 0's thread does at its end
+    following = batcher.handoff(0).follow_on(0.010)  # what slot 0's thread does at its end
     assert len(following) == 2 and not batcher.waiting
     batcher.followed(slots[0], 1, 0.010, following)
     assert batcher.wide_slot == 0 and batcher.running[0] == (2, 1)  # still alone on every core
@@ -411,7 +414,7 @@ async def test_a_follow_on_batch_stays_on_every_core_when_requests_arrive_as_it_
     batcher.returns.return_delay = 0.010
     batcher.add([request()])
     batcher.add([request()])
-    following = batcher.follow_on(prefill_seconds=0.010)  # slot 0's thread takes it...
+    following = batcher.handoff(0).follow_on(0.010)  # slot 0's thread takes it...
     batcher.add([request()])  # ...and one more arrives before the loop hears of it
     batcher.followed(slots[0], 1, 0.010, following)
     assert batcher.wide_slot == 0  # the thread runs it on every core: nothing may start beside it
@@ -423,7 +426,7 @@ async def test_in_a_closed_loop_a_wide_batch_hands_back_so_the_next_one_fills(wi
     batcher.returns.return_delay = 0.0005  # clients back within a twentieth of a prefill
     batcher.add([request()])  # client A's request runs on every core...
     batcher.add([request()])  # ...while client B's waits
-    assert batcher.follow_on(prefill_seconds=0.010) == []  # not taken on the thread...
+    assert batcher.handoff(0).follow_on(0.010) == []  # not taken on the thread...
     batcher.ended(slots[0], 1, 0.010)
     assert len(await started(batcher, slots)) == 1  # ...B waits for A's next request...
     batcher.add([request()])
@@ -435,7 +438,7 @@ async def test_a_long_generation_at_the_front_goes_back_to_the_loop(wide_slot):
     batcher.returns.return_delay = 0.010
     batcher.add([request()])
     batcher.add([request(max_tokens=500), request()])
-    assert batcher.follow_on(prefill_seconds=0.010) == []
+    assert batcher.handoff(0).follow_on(0.010) == []
     assert len(batcher.waiting) == 2
 
 
@@ -447,8 +450,8 @@ async def test_on_an_idle_server_enough_short_requests_split_between_the_slots(w
 
 
 async def test_a_split_batch_is_told_it_is_alone_once_its_partner_ends(wide_slot):
-    """What a slot's thread reads before each step and between a forward's layers (batcher.alone,
-    through CoreRule.cores): split batches run on their own cores while both run, and the one left
+    """What a slot's thread reads before each step and between a forward's layers (its handoff's
+    may_widen, which the scheduler publishes from batcher.alone): split batches run on their own cores while both run, and the one left
     takes every core, unless the ended batch's clients are coming right back (closed loop) to start
     one on the freed slot."""
     batcher, slots, clock = wide_slot
@@ -456,21 +459,20 @@ async def test_a_split_batch_is_told_it_is_alone_once_its_partner_ends(wide_slot
         batcher.returns = ReturnEstimate(return_delay)
         batcher.add([request() for _ in range(4)])
         assert [len(b) for b in await started(batcher, slots)][-2:] == [2, 2]
-        assert not batcher.alone()
+        assert not batcher.alone() and not batcher.handoff(0).may_widen
         batcher.ended(slots[1], 2, 0.010)
-        assert batcher.alone() is alone_after
+        assert batcher.alone() is alone_after and batcher.handoff(0).may_widen is alone_after
         batcher.ended(slots[0], 2, 0.010)
 
 
 def test_a_slot_that_may_widen_has_its_cores_follow_the_rule_between_layers():
-    told, alone = [], [False]
-    binding = SimpleNamespace(can_widen=True, share_cores=told.append)
-    cores = CoreRule.cores(binding, lambda: alone[0])
-    cores()
-    alone[0] = True
-    cores()
+    told = []
+    slot = SimpleNamespace(index=0, binding=SimpleNamespace(can_widen=True, share_cores=told.append))
+    handoff = SlotHandoff(slot, WaitingQueue(), BatchBudget(8, 64), post=None)
+    handoff.cores()
+    handoff.may_widen = True  # the loop published a change
+    handoff.cores()
     assert told == [False, True]
-    assert CoreRule.cores(SimpleNamespace(can_widen=False), lambda: True) is None  # its share is all it has
 
 
 async def test_fewer_than_split_at_run_together_on_every_core(wide_slot):
@@ -488,7 +490,7 @@ async def test_a_wide_batch_keeps_every_core_while_clients_are_on_their_way(wide
     await started(batcher, slots)
     assert batcher.wide_slot == 0
     finished_elsewhere(batcher, clock, 4, 0.010)  # closed loop: four clients on their way
-    assert batcher.returns.on_their_way and batcher.alone()
+    assert batcher.returns.on_their_way and batcher.alone() and batcher.handoff(0).may_widen
 
 
 class Seated(list):
@@ -522,10 +524,11 @@ async def test_a_step_starts_on_the_cores_the_layers_would_give_it(wide_slot, mo
     """A step's start asks the scheduler what its layers do (batcher.alone): a lone long generation
     runs its steps on its share while finished batches' clients are on their way (a closed loop:
     they start beside it), on every core once they are back, never wide for one layer only."""
-    from xllm_async.engine import steps
+    from xllm_async.execution import steps
 
     batcher, slots, clock = wide_slot
-    binding = SimpleNamespace(told=[], can_widen=True)
+    binding = slots[0].binding
+    binding.told = []
     binding.share_cores = lambda alone: binding.told.append(alone)
     made = []
     monkeypatch.setattr(steps, "GenerationBatch", lambda runner, requests, metrics, between_layers:
@@ -533,14 +536,16 @@ async def test_a_step_starts_on_the_cores_the_layers_would_give_it(wide_slot, mo
     loop = steps.StepLoop(None, SimpleNamespace(index=0, busy_seconds=0.0, batches_run=0), lambda items: None)
     batcher.add([request(max_tokens=500)])  # slot 0 runs a lone long generation
     assert batcher.wide_slot is None and batcher.busy_slots == 1
-    cores = CoreRule.cores(binding, batcher.alone)
+    handoff = batcher.handoff(0)
+    cores = handoff.cores
     finished_elsewhere(batcher, clock, 4, 0.010)  # closed loop: four clients on their way
     for _ in range(2):
-        binding.share_cores(batcher.alone())  # before the prefill (FixedStepsBatcher)
+        binding.share_cores(handoff.may_widen)  # before the prefill (StepLoop.run_handed)
         loop.run([request(max_tokens=500)], cores=cores)
         batcher.returns.arrived(clock.time(), 4)  # they are back
+        batcher._publish()
     assert [b.told for b in made] == [[False] * 3, [True] * 3]
-    assert all(b.between_layers is cores for b in made)  # the batch's forwards call it between layers
+    assert all(b.between_layers == cores for b in made)  # the batch's forwards call it between layers
 
 
 async def test_long_generations_and_slots_that_cannot_widen_are_not_split(two_slots, wide_slot):
@@ -554,7 +559,7 @@ async def test_after_a_wide_batch_enough_waiting_go_back_to_the_loop_to_split(wi
     batcher.returns.return_delay = 0.010  # requests arrive on their own
     batcher.add([request()])  # alone, on every core
     batcher.add([request() for _ in range(4)])  # arrive meanwhile: too many for one thread's follow-on
-    assert batcher.follow_on(prefill_seconds=0.010) == [] and len(batcher.waiting) == 4
+    assert batcher.handoff(0).follow_on(0.010) == [] and len(batcher.waiting) == 4
     batcher.ended(slots[0], 1, 0.010)
     assert [len(b) for b in await started(batcher, slots)] == [1, 2, 2]
     assert batcher.wide_slot is None

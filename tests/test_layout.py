@@ -2,10 +2,16 @@
 imports between modules, and no product file too long to read in one sitting.
 
 The rooms, bottom to top (docs/ARCHITECTURE.md draws them): model (the network and its kernels),
-runtime (devices, slots, the runners that drive a model), engine (requests, batches, schedulers,
-beams; it calls a runner only through engine/runner.py's contract, so it imports neither model nor
-runtime), http (bytes to requests and back), api (the OpenAI routes over the engine), and service
-(which builds them all). errors, config and metrics import nothing of ours.
+runtime (devices, slots, the runners that drive a model), engine (the event loop's side: admission,
+budgets, scheduling decisions, output streams, request types), execution (the slot threads' side:
+the step loop, batches, beams, sampling; it calls a runner only through execution/runner.py's
+contract, so it imports neither model nor runtime), http (bytes to requests and back), api (the
+OpenAI routes over the engine), and service (which builds them all). errors, config and metrics
+import nothing of ours.
+
+The thread split (issue 50): the loop side imports no torch, the slot side no asyncio, counting
+everything they import of ours; the slot side reaches the loop side only through its one door,
+engine/handoff.py (and the plain request and parameter types that cross it).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "xllm_async")
 MAX_LINES = 350  # the longest product file a newcomer reads in one go
+# What the slot side may import of the loop side: the door and what crosses it.
+DOOR = {"xllm_async.engine.handoff", "xllm_async.engine.request", "xllm_async.engine.params",
+        "xllm_async.engine.policies", "xllm_async.engine.budget"}
 
 # room -> the rooms it may import (besides itself)
 ALLOWED = {
@@ -29,9 +38,10 @@ ALLOWED = {
     "model": {"errors"},
     "runtime": {"model", "config", "errors"},
     "engine": {"metrics", "errors"},
+    "execution": {"engine", "errors"},
     "http": {"errors"},
-    "api": {"engine", "http", "errors", "metrics", "xllm_async"},
-    "service": {"api", "engine", "http", "runtime", "model", "config", "errors", "metrics"},
+    "api": {"engine", "execution", "http", "errors", "metrics", "xllm_async"},
+    "service": {"api", "engine", "execution", "http", "runtime", "model", "config", "errors", "metrics"},
 }
 
 
@@ -117,3 +127,55 @@ def test_no_product_file_is_longer_than_a_sitting(path):
     with open(path, encoding="utf-8") as f:
         lines = sum(1 for _ in f)
     assert lines < MAX_LINES, f"{os.path.relpath(path, ROOT)}: {lines} lines; split it by job"
+
+
+def _third_party(path: str) -> set[str]:
+    """The top-level names of what a file imports from outside the package."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names
+
+
+def _reached(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module of ours that importing `start` imports, itself included (packages' __init__ too)."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # its packages run first
+        todo.extend(graph.get(module, ()))
+    return {m for m in seen if m in graph}
+
+
+def _rooms_modules(room: str) -> list[str]:
+    return sorted(m for m in _modules() if _room(m) == room)
+
+
+@pytest.mark.parametrize("side, room, banned", [("loop", "engine", "torch"), ("slot", "execution", "asyncio")])
+def test_each_side_of_the_thread_split_leaves_the_other_sides_library_alone(side, room, banned):
+    graph, paths = _graph(), _modules()
+    wrong = []
+    for module in _rooms_modules(room):
+        for reached in sorted(_reached(module, graph)):
+            if banned in _third_party(paths[reached]):
+                wrong.append(f"{module} imports {banned} (through {reached})")
+    assert not wrong, f"the {side} side must not import {banned}:\n" + "\n".join(wrong)
+
+
+def test_the_slot_side_reaches_the_loop_side_only_through_its_door():
+    graph = _graph()
+    wrong = [f"{module} -> {target}" for module in _rooms_modules("execution") for target in sorted(graph[module])
+             if _room(target) == "engine" and target not in DOOR]
+    assert not wrong, "past the door (engine/handoff.py):\n" + "\n".join(wrong)
+    loop_to_slot = [f"{module} -> {target}" for module in _rooms_modules("engine") for target in sorted(graph[module])
+                    if _room(target) == "execution"]
+    assert not loop_to_slot, "the loop side imports the slot side:\n" + "\n".join(loop_to_slot)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xllm_async.engine.beam import BeamRequest, BeamSearchBatch
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.request import EngineRequest
-from xllm_async.engine.sampling import SamplingParams
+from xllm_async.engine.params import SamplingParams
+from xllm_async.engine.request import BeamRequest, EngineRequest
+from xllm_async.execution.beam import BeamSearchBatch
 from xllm_async.model.llama import ModelShape
 
 from .conftest import require_kernel
@@ -142,7 +142,7 @@ def test_shared_prompt_beams_equal_copied_prompt_beams(native, copied):
 def test_beams_over_the_vocabulary_in_column_blocks_equal_one_block(native, copied, monkeypatch):
     """Without a table a round walks the vocabulary in blocks (top-k and log-sum-exp per block):
     blocks of 1,000 columns, a last one shorter, give what one block of all 151,669 gives."""
-    import xllm_async.engine.beam as beam
+    import xllm_async.execution.beam as beam
 
     prompts = random_prompts(16, [25, 7, 40])
     widths, rounds = [8, 16, 3], [3, 2, 3]
@@ -169,7 +169,7 @@ def test_a_beam_search_answers_the_same_alone_and_in_any_batch(tiny_model_dir, d
 
 
 def test_item_constrained_beams_agree_on_both_engines(native, copied):
-    from xllm_async.engine.item_trie import ItemTrie
+    from xllm_async.execution.item_trie import ItemTrie
 
     from .test_beam_search import ITEMS
 
@@ -182,7 +182,7 @@ def test_item_constrained_beams_agree_on_both_engines(native, copied):
 
 
 def test_item_trie_rejects_mixed_lengths_and_masks_by_prefix():
-    from xllm_async.engine.item_trie import ItemTrie, LeafFilter
+    from xllm_async.execution.item_trie import ItemTrie, LeafFilter
 
     with pytest.raises(ValueError):
         ItemTrie.of([(1, 2), (3,)], torch.device("cpu"))
@@ -359,7 +359,7 @@ def test_our_logits_over_a_block_of_columns_are_those_of_the_whole_vocabulary(ti
 def test_beams_with_one_way_to_end_skip_the_last_forward_and_score_the_same(native, monkeypatch, table):
     """Last round with a table: a beam whose two codes leave one item is not fed (its token's
     renormalised log-probability is 0); the answers equal feeding every beam."""
-    from xllm_async.engine.item_trie import ItemTrie
+    from xllm_async.execution.item_trie import ItemTrie
 
     from .test_beam_search import ITEMS
 

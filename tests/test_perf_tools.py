@@ -352,7 +352,7 @@ def test_profile_samples_name_their_stage_and_a_slot_waiting_for_work_is_idle():
     slot = ["Thread.run (threading.py:982)"]
     assert profile.stage_of(slot + ["ExecutionSlot._run (xllm_async/runtime/executor.py:51)"]) == "idle"
     assert profile.stage_of(slot + ["ExecutionSlot._run (xllm_async/runtime/executor.py:53)",
-                                    "GenerationBatch.prefill (xllm_async/engine/batch.py:43)",
+                                    "GenerationBatch.prefill (xllm_async/execution/batch.py:43)",
                                     "Linear.forward (torch/nn/modules/linear.py:125)"]) == "forward"
     assert profile.stage_of(["parse_completion (xllm_async/api/requests.py:80)"]) == "parse"
     assert profile.stage_of([]) == "loop"

@@ -15,8 +15,8 @@ import torch
 
 from xllm_async.config import Settings
 from xllm_async.engine.budget import BatchBudget
+from xllm_async.engine.params import SamplingParams
 from xllm_async.engine.request import EngineRequest
-from xllm_async.engine.sampling import SamplingParams
 from xllm_async.model.prefix_cache import BLOCK_TOKENS
 from xllm_async.runtime.model_runner import ModelRunner
 from xllm_async.service import Service

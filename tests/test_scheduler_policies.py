@@ -1,25 +1,16 @@
 """The fixed-steps scheduler's rules, each through its decision (engine/policies.py), and the
-step loop both schedulers run (engine/steps.py). No clock but the numbers the tests pass."""
+step loop both schedulers run (execution/steps.py). No clock but the numbers the tests pass."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from xllm_async.engine.beam import BeamRequest
+from xllm_async.engine import policies
 from xllm_async.engine.budget import BatchBudget
-from xllm_async.engine.policies import (
-    FILL_RETURNS,
-    OWED_FOR,
-    SHORT_BATCH_STEPS,
-    SPLIT_AT,
-    BatchFormation,
-    CoreRule,
-    JoinRule,
-    ReturnEstimate,
-)
-from xllm_async.engine.request import EngineRequest
-from xllm_async.engine.sampling import SamplingParams
-from xllm_async.engine.steps import StepLoop
+from xllm_async.engine.params import SamplingParams
+from xllm_async.engine.policies import FILL_RETURNS, OWED_FOR, SHORT_BATCH_STEPS, SPLIT_AT, ReturnEstimate
+from xllm_async.engine.request import BeamRequest, EngineRequest
+from xllm_async.execution.steps import StepLoop
 
 
 def request(max_tokens: int = 1) -> EngineRequest:
@@ -71,40 +62,39 @@ def test_clients_not_back_within_a_few_prefills_are_not_counted_on():
 
 
 def test_against_short_batches_a_slot_takes_its_share_of_the_server():
-    formation = BatchFormation()
-    assert formation.share([(2, 1)], 6, 2, 0, False) == 4
-    assert formation.share([(1, 500)], 6, 2, 0, False) == 0  # beside a long one: everything
-    assert formation.share([], 6, 2, 1, False) == 0
-    assert formation.share([], 5, 2, 1, True) == 3  # split on an idle server: 3 + 2
+    assert policies.batch_share([(2, 1)], 6, 2, 0, False) == 4
+    assert policies.batch_share([(1, 500)], 6, 2, 0, False) == 0  # beside a long one: everything
+    assert policies.batch_share([], 6, 2, 1, False) == 0
+    assert policies.batch_share([], 5, 2, 1, True) == 3  # split on an idle server: 3 + 2
 
 
 def test_the_core_rule():
     short, long = request(), request(SHORT_BATCH_STEPS + 1)
-    assert CoreRule.alone(1, False, False) and CoreRule.alone(1, True, True)
-    assert not CoreRule.alone(1, False, True) and not CoreRule.alone(2, True, False)
-    assert CoreRule.split(1, [short] * SPLIT_AT) and not CoreRule.split(1, [short] * (SPLIT_AT - 1))
-    assert not CoreRule.split(0, [short] * SPLIT_AT) and not CoreRule.split(1, [long] + [short] * SPLIT_AT)
-    assert CoreRule.wide(True, [short], True) and not CoreRule.wide(True, [long], True)
-    assert not CoreRule.wide(True, [short], False) and not CoreRule.wide(False, [short], True)
-    assert CoreRule.starts_split(True, [short], 1, 2) and not CoreRule.starts_split(True, [short], 1, 0)
-    assert CoreRule.follows_on([short, short], 1, False)
-    assert not CoreRule.follows_on([short, short], 1, True)  # closed loop: the loop lets it fill
-    assert not CoreRule.follows_on([long, short], 1, False)  # a long one goes where others can join it
-    assert not CoreRule.follows_on([short] * SPLIT_AT, 1, False)  # enough to split: the loop shares them
-    assert not CoreRule.follows_on([], 1, False)
+    assert policies.alone(1, False, False) and policies.alone(1, True, True)
+    assert not policies.alone(1, False, True) and not policies.alone(2, True, False)
+    assert policies.split(1, [short] * SPLIT_AT) and not policies.split(1, [short] * (SPLIT_AT - 1))
+    assert not policies.split(0, [short] * SPLIT_AT) and not policies.split(1, [long] + [short] * SPLIT_AT)
+    assert policies.wide(True, [short], True) and not policies.wide(True, [long], True)
+    assert not policies.wide(True, [short], False) and not policies.wide(False, [short], True)
+    assert policies.starts_split(True, [short], 1, 2) and not policies.starts_split(True, [short], 1, 0)
+    assert policies.follows_on([short, short], 1, False)
+    assert not policies.follows_on([short, short], 1, True)  # closed loop: the loop lets it fill
+    assert not policies.follows_on([long, short], 1, False)  # a long one goes where others can join it
+    assert not policies.follows_on([short] * SPLIT_AT, 1, False)  # enough to split: the loop shares them
+    assert not policies.follows_on([], 1, False)
 
 
 def test_the_join_rule():
     short, long = request(), request(SHORT_BATCH_STEPS + 1)
     beam = BeamRequest(0, [1, 2], 2, 2, None)
-    assert JoinRule.seats(8, 3, 2) == 3
-    assert JoinRule.target({0: 5, 1: 2}) == 1
-    assert JoinRule.joins(short, False, 0) and not JoinRule.joins(beam, False, 5)
-    assert JoinRule.joins(long, True, 1) and not JoinRule.joins(long, True, 0) and not JoinRule.joins(short, True, 5)
-    assert JoinRule.join_instead(1, 1, True, long, 1)
-    assert not JoinRule.join_instead(1, 1, False, long, 1)  # an accelerator's slot
-    assert not JoinRule.join_instead(2, 1, True, long, 1) and not JoinRule.join_instead(1, 1, True, short, 1)
-    assert not JoinRule.join_instead(1, 1, True, long, 0) and not JoinRule.join_instead(1, 1, True, None, 1)
+    assert policies.seats(8, 3, 2) == 3
+    assert policies.join_target({0: 5, 1: 2}) == 1
+    assert policies.joins(short, False, 0) and not policies.joins(beam, False, 5)
+    assert policies.joins(long, True, 1) and not policies.joins(long, True, 0) and not policies.joins(short, True, 5)
+    assert policies.join_instead(1, 1, True, long, 1)
+    assert not policies.join_instead(1, 1, False, long, 1)  # an accelerator's slot
+    assert not policies.join_instead(2, 1, True, long, 1) and not policies.join_instead(1, 1, True, short, 1)
+    assert not policies.join_instead(1, 1, True, long, 0) and not policies.join_instead(1, 1, True, None, 1)
 
 
 class _Batch:
@@ -128,7 +118,7 @@ class _Batch:
 
 
 def test_a_failed_join_fails_its_joiners_and_the_batch_goes_on(monkeypatch):
-    from xllm_async.engine import steps
+    from xllm_async.execution import steps
 
     monkeypatch.setattr(steps, "GenerationBatch", lambda runner, requests, metrics, between_layers: _Batch(2))
     delivered = []

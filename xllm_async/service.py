@@ -16,6 +16,7 @@ from .api.items import ItemTable, ItemTableError
 from .api.model_info import BeamLimits, ModelInfo
 from .config import ConfigError, Settings
 from .engine.engine import Engine
+from .execution.steps import Execution
 from .http.protocol import HttpLimits
 from .http.server import HttpServer
 from .metrics import Counter, Gauge, Metrics, ProcessFigures
@@ -94,7 +95,7 @@ class Service:
         self.metrics = Metrics(settings.metrics == "on")
         self.metrics.add(Gauge("model_load_seconds", "Seconds the model took to load.",
                                lambda: self.runner.load_seconds))
-        self.engine = Engine(self.runner, self.slots, settings.scheduler, settings.max_seqs_per_batch,
+        self.engine = Engine(Execution(self.runner), self.slots, settings.scheduler, settings.max_seqs_per_batch,
                              settings.max_tokens_per_batch, settings.max_queued_requests, self.metrics,
                              settings.queue_timeout)
         self.name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))

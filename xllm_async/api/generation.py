@@ -6,10 +6,9 @@ from __future__ import annotations
 import copy
 import time
 
-from ..engine.beam import BeamRequest
 from ..engine.engine import CacheTooSmall, Engine, EngineFull, TooManySequences
 from ..engine.output import OutputStream
-from ..engine.request import EngineRequest
+from ..engine.request import BeamRequest, EngineRequest
 from ..errors import ApiError
 from ..http.request import HttpRequest
 from ..http.response import Responder

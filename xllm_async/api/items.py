@@ -9,7 +9,7 @@ Every item has the same number of tokens. Several items may share one tuple
 order. Item ids are unique. The file is parsed with numpy over its bytes (no
 Python object per line or per item), so a catalogue of millions of items
 loads in seconds (perf/RESULTS.md, "The catalogue at scale"); the trie the
-engine searches is built from the distinct tuples (engine/item_trie.py).
+engine searches is built from the distinct tuples (execution/item_trie.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ..engine.item_trie import ItemTrie, LeafFilter
+from ..execution.item_trie import ItemTrie, LeafFilter
 
 ITEMS_PER_CHOICE = 50  # item ids one choice lists for a shared tuple at most (xLLM keeps 50)
 MAX_ITEM_ID_BYTES = 256

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import orjson
 
-from ..engine.sampling import MAX_SEED, MIN_SEED, SamplingParams
+from ..engine.params import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo

@@ -4,29 +4,25 @@ and merged into the running batch; finished ones leave after every step."""
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from collections.abc import Callable
-
 from .budget import BatchBudget
-from .request import EngineRequest
-from .steps import StepLoop
+from .handoff import SlotHandoff, WaitingQueue
+from .request import QueuedRequest
+from .scheduler import Scheduler
 
 
-class ContinuousScheduler:
-    """The step loop runs on the slot's own thread, so one step follows the
-    previous one with no round trip through the event loop. The loop only
-    appends to `waiting` and sets `_arrived`; the thread sleeps on it when idle,
-    and while a batch runs, takes what waits into it before every step.
+class ContinuousScheduler(Scheduler):
+    """The step loop runs on the slot's own thread (StepLoop.serve), so one step follows the
+    previous one with no round trip through the event loop. The loop only appends to `waiting`
+    (which wakes the thread); the thread sleeps while nothing waits and, while a batch runs, takes
+    what waits into it before every step.
     """
 
-    def __init__(self, runner, slot, budget: BatchBudget, deliver: Callable[[list], None], metrics=None) -> None:
+    def __init__(self, steps, slot, budget: BatchBudget) -> None:
         self.slot = slot
         self.budget = budget
-        self.waiting: deque[EngineRequest] = deque()
-        self._steps = StepLoop(runner, slot, deliver, metrics)
-        self._arrived = threading.Event()
-        self._running = False  # a batch is in flight (read by metrics)
+        self.waiting = WaitingQueue()
+        self._steps = steps  # the slot's StepLoop (execution/steps.py)
+        self._handoff = SlotHandoff(slot, self.waiting, budget, post=_never_posts)
 
     @property
     def num_waiting(self) -> int:
@@ -34,34 +30,21 @@ class ContinuousScheduler:
 
     @property
     def busy_slots(self) -> int:
-        return 1 if self._running else 0
+        return 1 if self._handoff.busy else 0
 
-    def drop_aborted(self) -> None:
-        """Nothing to do now: the slot thread skips aborted requests at its next step, milliseconds away."""
+    def drop_aborted(self) -> int:
+        return self.waiting.drop_aborted()
 
     def start(self) -> None:
-        self.slot.submit(self._serve)
+        self.slot.submit(lambda: self._steps.serve(self._handoff))
 
-    def add(self, requests: list[EngineRequest]) -> None:
+    def add(self, requests: list[QueuedRequest]) -> None:
         self.waiting.extend(requests)
-        self._arrived.set()
 
     async def stop(self) -> None:
         self._steps.stopping = True
-        self._arrived.set()
+        self.waiting.arrived.set()
 
-    def _serve(self) -> None:
-        while not self._steps.stopping:
-            # Clear before looking, so an arrival between the two still wakes us.
-            self._arrived.clear()
-            if not self.waiting:
-                self._arrived.wait()
-                continue
-            new = self.budget.take(self.waiting)
-            if new:
-                self._running = True
-                self._steps.run(new, self._joiners)
-                self._running = False
 
-    def _joiners(self, batch) -> list[EngineRequest]:
-        return self.budget.take(self.waiting, len(batch), cache_in_use=batch.cache_in_use())
+def _never_posts(*_args) -> None:
+    raise AssertionError("the continuous scheduler's slot reports nothing to the loop")

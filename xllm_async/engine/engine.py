@@ -1,5 +1,6 @@
-"""The engine: admits requests and drives the configured scheduler. It knows
-nothing of HTTP; callers hand it requests (engine/request.py, engine/beam.py) and read OutputStreams."""
+"""The engine: admits requests and drives the configured scheduler, on the event loop. It knows
+nothing of HTTP (callers hand it requests, engine/request.py, and read OutputStreams) and nothing
+of torch: what runs on the slots' threads it is given (execution/steps.py's Execution)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import logging
 from ..metrics import Gauge, Metrics, PerSlot
 from .budget import BatchBudget
 from .continuous import ContinuousScheduler
-from .fixed_steps import FixedStepsBatcher
+from .fixed_steps import FixedStepsScheduler
 from .request import Delta, QueuedRequest
-from .runner import Runner
+from .scheduler import Scheduler
 
 log = logging.getLogger("xllm_async.engine")
 
@@ -29,9 +30,12 @@ class CacheTooSmall(ValueError):
 
 
 class Engine:
-    def __init__(self, runner: Runner, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
+    def __init__(self, execution, slots, scheduler: str, max_seqs_per_batch: int, max_tokens_per_batch: int,
                  max_queued_requests: int, metrics: Metrics | None = None, queue_timeout: float = 0.0) -> None:
-        self.runner = runner
+        """execution: the slot side (execution/steps.py's Execution): its runner, a step loop per
+        slot, and what a request needs before it joins a batch."""
+        self.execution = execution
+        self.runner = runner = execution.runner
         self.slots = slots
         self.max_queued_requests = max_queued_requests
         self.queue_timeout = queue_timeout  # 0 = a request may wait as long as it takes
@@ -41,12 +45,14 @@ class Engine:
         self.budget = budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed,
                                            runner.kv_tokens, runner.shares_beam_prompts,
                                            runner if runner.caches_prefixes else None)
+        self.scheduler: Scheduler
         if scheduler == "continuous":
             # One batch in flight: the continuous baseline uses the first slot only.
-            self.scheduler = ContinuousScheduler(runner, slots[0], budget, self._deliver_threadsafe, self.metrics)
+            steps = execution.step_loop(slots[0], self._deliver_threadsafe, self.metrics)
+            self.scheduler = ContinuousScheduler(steps, slots[0], budget)
         else:
-            self.scheduler = FixedStepsBatcher(runner, slots, budget, self._deliver_threadsafe, self._loop,
-                                               self.metrics)
+            steps = {slot.index: execution.step_loop(slot, self._deliver_threadsafe, self.metrics) for slot in slots}
+            self.scheduler = FixedStepsScheduler(steps, slots, budget, self._loop, self.metrics)
         self.metrics.add(Gauge("num_requests_waiting", "Sequences waiting for a batch.",
                                lambda: self.scheduler.num_waiting))
         self.metrics.add(Gauge("num_requests_running", "Sequences in a running batch.",
@@ -71,7 +77,7 @@ class Engine:
         if self.scheduler.num_waiting + len(requests) > self.max_queued_requests:
             raise EngineFull(f"{self.scheduler.num_waiting} requests are already waiting")
         for req in requests:  # (raises here, for this caller alone, not inside a batch it would share)
-            req.prepare(self.runner)
+            self.execution.prepare(req)
         self.unfinished.update(requests)
         self.scheduler.add(requests)
         if self.queue_timeout:

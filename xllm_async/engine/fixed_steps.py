@@ -4,64 +4,57 @@ on one of N execution slots, several batches in flight at once."""
 from __future__ import annotations
 
 import asyncio
-import functools
-import threading
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 
+from . import policies
 from .budget import BatchBudget
-from .policies import BatchFormation, CoreRule, JoinRule, ReturnEstimate, short_batch
+from .handoff import SlotHandoff, WaitingQueue
+from .policies import ReturnEstimate, short_batch
 from .request import EngineRequest, QueuedRequest
-from .steps import StepLoop
+from .scheduler import Scheduler
 
 
-class FixedStepsBatcher:
+class FixedStepsScheduler(Scheduler):
     """A coroutine on the event loop that forms batches and hands them to free slots.
 
     It sleeps until a request arrives (never polls), waits for a free slot, lets the batch fill
     while the clients of finished batches are on their way back (ReturnEstimate), takes its share
-    of what waits (BatchFormation), hands it to the slot and goes straight back to forming the
-    next. When a slot is free and there is nothing to wait for, add() starts the batch itself. The
-    slot's thread runs the batch through its StepLoop, delivering each step's tokens as they exist,
-    then reports back (ended / followed).
+    of what waits (policies.batch_share), hands it to the slot and goes straight back to forming
+    the next. When a slot is free and there is nothing to wait for, add() starts the batch itself.
+    The slot's thread runs the batch (StepLoop.run_handed), delivering each step's tokens as they
+    exist, then reports back (ended / followed, posted to the loop).
 
     On a CPU, a short batch alone takes every core and the requests that arrive meanwhile wait for
-    it, its thread taking them when it ends (CoreRule); long generations join a running generation
-    batch at its next step instead of waiting for a whole batch (JoinRule).
+    it, its thread taking them when it ends (the core rule); long generations join a running
+    generation batch at its next step instead of waiting for a whole batch (the join rule).
 
-    The state the loop and the slot threads share lives here: `waiting` (popped under _take_lock,
-    by the loop and by a wide batch's thread), and the joiners per slot (the loop appends, only
-    that slot's thread pops, at a step boundary).
+    Everything here runs on the event loop. What a slot's thread shares with it is in its
+    SlotHandoff and the WaitingQueue (engine/handoff.py), and nowhere else.
     """
 
-    def __init__(self, runner, slots, budget: BatchBudget, deliver: Callable[[list], None],
-                 loop: asyncio.AbstractEventLoop, metrics=None, returns: ReturnEstimate | None = None) -> None:
+    def __init__(self, steps: Mapping[int, object], slots, budget: BatchBudget, loop: asyncio.AbstractEventLoop,
+                 metrics=None, returns: ReturnEstimate | None = None) -> None:
         self.budget = budget
         self.metrics = metrics
-        self.waiting: deque[QueuedRequest] = deque()
+        self.waiting = WaitingQueue()
         self.returns = returns or ReturnEstimate()
-        self.formation = BatchFormation()
-        self.core_rule = CoreRule()
-        self.join_rule = JoinRule()
         self._loop = loop
         self._arrived = asyncio.Event()  # a request arrived or a slot came free
-        self._steps = {slot.index: StepLoop(runner, slot, deliver, metrics) for slot in slots}
-        self._slots = {slot.index: slot for slot in slots}
+        self._steps = steps  # slot index -> its StepLoop (execution/steps.py), run on its thread
+        self._handoffs = {slot.index: SlotHandoff(slot, self.waiting, budget, loop.call_soon_threadsafe,
+                                                  self.ended, self.followed) for slot in slots}
         self._running: dict[int, tuple[int, int]] = {}  # slot index -> (requests, steps) of its batch
         self.running: Mapping[int, tuple[int, int]] = MappingProxyType(self._running)
         self._idle: list = list(reversed(slots))  # free slots, the most recently freed last
         self._num_slots = len(slots)
         self._filling = False  # _run holds a slot while its batch fills
         self._wide: int | None = None  # the slot running a short batch on every core
-        self._take_lock = threading.Lock()
         self._task: asyncio.Task | None = None
-        self._joining: dict[int, deque[QueuedRequest]] = {}  # slot -> requests handed to its long generation batch
-        self._generating: dict[int, object] = {}  # slot -> that batch, once its thread has made it
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(q) for q in self._joining.values())
+        return len(self.waiting) + sum(h.num_joining for h in self._handoffs.values())
 
     @property
     def busy_slots(self) -> int:
@@ -75,7 +68,10 @@ class FixedStepsBatcher:
     @property
     def joining(self) -> dict[int, int]:
         """Slot -> requests handed to its running long generation batch, not yet taken in."""
-        return {index: len(queue) for index, queue in self._joining.items()}
+        return {i: h.num_joining for i, h in self._handoffs.items() if h.joinable}
+
+    def handoff(self, index: int) -> SlotHandoff:
+        return self._handoffs[index]
 
     def start(self) -> None:
         self._task = self._loop.create_task(self._run())
@@ -88,6 +84,7 @@ class FixedStepsBatcher:
         self.waiting.extend(requests)
         if self.returns.returning:
             self.returns.arrived(self._loop.time(), len(requests))
+            self._publish()
         # A free slot with nothing worth waiting for starts the batch right here, not one loop
         # iteration later in _run: that hop would add to a lone request's latency.
         # (While a short batch runs on every core, the slot takes them itself when it ends.)
@@ -96,37 +93,52 @@ class FixedStepsBatcher:
                 self._join(long_only=True)
             if self._idle and self.waiting and not self._worth_filling(self.busy_slots):
                 self._start(self._take_idle())
-            elif not self._idle and self._joining:
+            elif not self._idle and self.joining:
                 self._join()
         if self.waiting:
             self._arrived.set()
 
     def alone(self) -> bool:
-        """Whether a running batch may take every core now (CoreRule.alone): read on a slot's
-        thread before each step and between a forward's layers."""
-        return self.core_rule.alone(self.busy_slots, self._wide is not None, self.returns.on_their_way)
+        """Whether a running batch may take every core now (policies.alone); published to the slots'
+        handoffs (may_widen) whenever it may have changed."""
+        return policies.alone(self.busy_slots, self._wide is not None, self.returns.on_their_way)
+
+    def _publish(self) -> None:
+        """Tell the slots' threads what they read of the loop's state: whether a batch may take every
+        core, and what the follow-on rule needs. Called after every change of what decides them."""
+        may_widen = self.alone()
+        for handoff in self._handoffs.values():
+            handoff.may_widen = may_widen
+            handoff.return_delay = self.returns.return_delay
+            handoff.idle_others = len(self._idle)
 
     def _join_instead(self) -> bool:
-        if self.busy_slots != 1 or len(self._joining) != 1 or not self.waiting:
+        joinable = [h for h in self._handoffs.values() if h.joinable]
+        front = self.waiting[0] if self.waiting else None
+        if len(joinable) != 1:
             return False
-        (index,) = self._joining
-        return self.join_rule.join_instead(1, 1, self._slots[index].binding.can_widen, self.waiting[0],
-                                           self._seats(index))
+        target = joinable[0]
+        return policies.join_instead(self.busy_slots, len(joinable), target.binding.can_widen, front,
+                                     self._seats(target))
 
     def _join(self, long_only: bool = False) -> None:
         """Hand the generation requests at the front of the queue to the running long generation
-        batches (JoinRule): they prefill into it at its next step."""
-        with self._take_lock:
+        batches (the join rule): they prefill into it at its next step. (On the loop, the only
+        taker of the queue's front while no batch runs wide.)"""
+        with self.waiting.lock:
             while self.waiting:
-                index = self.join_rule.target({i: self._running[i][0] + len(q) for i, q in self._joining.items()})
-                if not self.join_rule.joins(self.waiting[0], long_only, self._seats(index) if long_only else 0):
+                joinable = {i: h for i, h in self._handoffs.items() if h.joinable}
+                target = joinable[policies.join_target(
+                    {i: self._running[i][0] + h.num_joining for i, h in joinable.items()})]
+                front = self.waiting[0]
+                if not policies.joins(front, long_only, self._seats(target) if long_only else 0):
                     return
-                self._joining[index].append(self.waiting.popleft())
+                target.join(self.waiting.pop_front_locked())
 
-    def _seats(self, index: int) -> int:
-        batch = self._generating.get(index)
-        seated = len(batch) if batch is not None else self._running[index][0]
-        return self.join_rule.seats(self.budget.max_seqs, seated, len(self._joining[index]))
+    def _seats(self, handoff: SlotHandoff) -> int:
+        batch = handoff.batch
+        seated = len(batch) if batch is not None else self._running[handoff.index][0]
+        return policies.seats(self.budget.max_seqs, seated, handoff.num_joining)
 
     def _worth_filling(self, others_busy: int) -> bool:
         return self.returns.worth_waiting(self._loop.time(), self.waiting, others_busy, self.budget)
@@ -180,44 +192,53 @@ class FixedStepsBatcher:
         return self._worth_filling(0)  # began on an idle server (and only this coroutine starts batches)
 
     def _take_idle(self):
-        return self._idle.pop(self.core_rule.pick(self._idle))
+        slot = self._idle.pop(policies.pick_slot(self._idle))
+        self._publish()
+        return slot
 
     def _start(self, slot) -> None:
         """Take the next batch off the queue and hand it to this slot."""
         alone = not self._running
-        with self._take_lock:
-            split = alone and slot.binding.can_widen and self.core_rule.split(len(self._idle), self.waiting)
-            limit = self.formation.share(self._running.values(), len(self.waiting), self._num_slots,
-                                         len(self._idle), split)
-            batch = self.budget.take(self.waiting, limit=limit)
+        split = alone and slot.binding.can_widen and policies.split(len(self._idle), self.waiting)
+        limit = policies.batch_share(self._running.values(), len(self.waiting), self._num_slots,
+                                     len(self._idle), split)
+        batch = self.waiting.take(self.budget, limit=limit)
         if not batch:  # everything that waited was aborted
             self._idle.append(slot)
+            self._publish()
             return
-        split = self.core_rule.starts_split(alone, batch, len(self._idle), len(self.waiting))
+        split = policies.starts_split(alone, batch, len(self._idle), len(self.waiting))
         wide = self._mark_running(slot, batch, alone and not split)
-        slot.submit(functools.partial(self._run_to_completion, slot, batch, wide, split))
+        handoff = self._handoffs[slot.index]
+        handoff.hand(self._steps[slot.index].run_handed, batch, wide, split, joinable=self._joinable(batch))
+
+    @staticmethod
+    def _joinable(batch: list) -> bool:
+        """Whether later requests may join this batch: a long generation's (the join rule)."""
+        return not short_batch(batch) and isinstance(batch[0], EngineRequest)
 
     def _mark_running(self, slot, batch: list, alone: bool) -> bool:
         """Record the batch a slot now runs; returns whether it runs on every core (wide)."""
         self._running[slot.index] = (len(batch), max(r.max_steps for r in batch))
-        if not short_batch(batch) and isinstance(batch[0], EngineRequest):
-            self._joining[slot.index] = deque()
-        wide = self.core_rule.wide(alone, batch, slot.binding.can_widen)
+        wide = policies.wide(alone, batch, slot.binding.can_widen)
         self._wide = slot.index if wide else None
+        self._publish()
         return wide
 
-    # --- what a slot's thread reports back, on the loop (call_soon_threadsafe) ---
+    # --- what a slot's thread reports back, posted to the loop (SlotHandoff.ended / followed) ---
 
     def ended(self, slot, size: int, prefill_seconds: float) -> None:
         """A slot's batch of `size` ended and the slot is free."""
         self._finished(slot, size, prefill_seconds)
         self.returns.waited_at_release = self.drop_aborted()
         self._idle.append(slot)
+        self._publish()
         self._arrived.set()
 
     def followed(self, slot, size: int, prefill_seconds: float, batch: list) -> None:
         """A wide batch ended and its slot's thread went on with `batch`, which waited for it."""
         self._finished(slot, size, prefill_seconds)
+        self._handoffs[slot.index].follow(self._joinable(batch))
         self._mark_running(slot, batch, alone=True)
         self._arrived.set()
 
@@ -225,59 +246,13 @@ class FixedStepsBatcher:
         self._running.pop(slot.index, None)
         if self._wide == slot.index:
             self._wide = None
-        self._generating.pop(slot.index, None)
-        left = self._joining.pop(slot.index, None)
+        left = self._handoffs[slot.index].release()
         if left:  # handed over too late for the batch that ended: first in line again
-            with self._take_lock:
-                self.waiting.extendleft(reversed(left))
+            self.waiting.put_back(left)
         self.returns.finished(self._loop.time(), size, prefill_seconds)
 
     def drop_aborted(self) -> int:
         """Take requests that were answered while they waited (timed out, client gone) off the
         queue now, not at the next take(): a batch may wait for company first, and meanwhile they
         would count against the queue limit. Returns how many live requests wait."""
-        with self._take_lock:
-            live = [req for req in self.waiting if not req.aborted]
-            if len(live) != len(self.waiting):
-                self.waiting.clear()
-                self.waiting.extend(live)
-        return len(live)
-
-    # --- on a slot's thread ---
-
-    def _run_to_completion(self, slot, requests: list[QueuedRequest], wide: bool, split: bool) -> None:
-        """Run the batch; after a wide one, the batches that waited for it. split: the batch shares
-        the waiting requests with an idle slot's, which may not have started yet: its prefill
-        begins on its own share of the cores."""
-        cores = self.core_rule.cores(slot.binding, self.alone)
-        while True:
-            slot.binding.share_cores(not split and self.alone())
-            prefill_seconds = self._steps[slot.index].run(
-                requests, functools.partial(self.joiners, slot.index), cores, functools.partial(self.made, slot.index))
-            split = False
-            following = self.follow_on(prefill_seconds) if wide else []
-            if not following:
-                self._loop.call_soon_threadsafe(self.ended, slot, len(requests), prefill_seconds)
-                return
-            self._loop.call_soon_threadsafe(self.followed, slot, len(requests), prefill_seconds, following)
-            requests = following
-            wide = short_batch(following)
-
-    def made(self, index: int, batch) -> None:
-        """The slot's thread made its batch: a long generation's size now counts its finished rows out."""
-        if index in self._joining:
-            self._generating[index] = batch
-
-    def joiners(self, index: int, batch) -> list[QueuedRequest]:
-        """Before a step of the slot's batch: the requests handed to it that it takes in now."""
-        joining = self._joining.get(index)
-        if not joining:
-            return []
-        return self.budget.take(joining, len(batch), cache_in_use=batch.cache_in_use())
-
-    def follow_on(self, prefill_seconds: float) -> list[QueuedRequest]:
-        """After a short batch on every core: the next batch, taken on its thread (CoreRule.follows_on)."""
-        with self._take_lock:
-            if not self.core_rule.follows_on(self.waiting, len(self._idle), self.returns.back_at_once(prefill_seconds)):
-                return []
-            return self.budget.take(self.waiting)
+        return self.waiting.drop_aborted()

@@ -1,12 +1,18 @@
-"""The fixed-steps scheduler's rules (engine/fixed_steps.py), each a small object with pure
-decisions over what the scheduler tells it: what waits, which slots run what, the clock.
+"""The fixed-steps scheduler's rules (engine/fixed_steps.py): decisions over what the scheduler
+tells them (what waits, which slots run what, the clock), tested through those numbers alone
+(tests/test_scheduler_policies.py).
 
 - ReturnEstimate: are the clients of finished batches on their way back, and is a batch worth
   holding for them (how long at most)?
-- BatchFormation: how many requests the next batch takes (its fair share).
-- CoreRule: on a CPU, which batch takes every core (wide), when waiting requests are split
-  between idle slots, and when a wide batch's thread takes what waited for it (follow-on).
-- JoinRule: which long generations join a running batch instead of starting one of their own.
+- batch_share: how many requests the next batch takes (its fair share).
+- The core rule (pick_slot, alone, split, wide, starts_split, follows_on): on a CPU, which batch
+  takes every core (wide), when waiting requests are split between idle slots, and when a wide
+  batch's thread takes what waited for it (follow-on).
+- The join rule (seats, join_target, joins, join_instead): which long generations join a running
+  batch instead of starting one of their own.
+
+ReturnEstimate holds state (what it has seen of returning clients); everything else here is a pure
+function of its arguments.
 
 How the scheduler stands against the continuous one: perf/RESULTS.md, "The seed workload",
 "SmolLM2 generation" and "Open loop". The experiments behind the constants (among them
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from .budget import BatchBudget
 from .request import EngineRequest, QueuedRequest
@@ -121,7 +127,7 @@ class ReturnEstimate:
 
     def back_at_once(self, prefill_seconds: float) -> bool:
         """Whether clients come back within RETURN_WITHIN of this prefill (a closed loop)."""
-        return self.return_delay <= prefill_seconds * RETURN_WITHIN
+        return back_at_once(self.return_delay, prefill_seconds)
 
     def worth_waiting(self, now: float, waiting: Sequence[QueuedRequest], others_busy: int,
                       budget: BatchBudget) -> bool:
@@ -153,131 +159,114 @@ class ReturnEstimate:
         return start + longest
 
 
-class BatchFormation:
-    """How many requests the next batch takes."""
-
-    def share(self, running: Iterable[tuple[int, int]], waiting: int, slots: int, idle: int,
-              split: bool) -> int:
-        """At most this many requests for the batch a slot starts now (0: no limit). running:
-        (requests, steps) of every running batch; idle: the other idle slots; split: the waiting
-        requests are to be shared between the idle slots (CoreRule.split).
-
-        A slot that frees up while others run short batches takes its share of the requests in the
-        server, not all that wait: otherwise one big and one small batch alternate for good (a big
-        one leaves few behind, whose clients come back together), and the small ones waste the
-        slot. Only against short batches, so that what is left waits for one short batch at most,
-        never for a long generation."""
-        running = list(running)
-        if not running:
-            return -(-waiting // (idle + 1)) if split else 0  # this slot and the idle ones
-        if any(steps > SHORT_BATCH_STEPS for _, steps in running):
-            return 0
-        return -(-(sum(size for size, _ in running) + waiting) // slots)  # ceil
+def back_at_once(return_delay: float, prefill_seconds: float) -> bool:
+    """Whether clients that come back after return_delay are back within RETURN_WITHIN of this
+    prefill (a closed loop)."""
+    return return_delay <= prefill_seconds * RETURN_WITHIN
 
 
-class CoreRule:
-    """On a CPU, how a short batch's slot shares the cores (StreamBinding.share_cores).
+def batch_share(running: Iterable[tuple[int, int]], waiting: int, slots: int, idle: int, split: bool) -> int:
+    """At most this many requests for the batch a slot starts now (0: no limit). running:
+    (requests, steps) of every running batch; idle: the other idle slots; split: the waiting
+    requests are to be shared between the idle slots (split()).
 
-    A short batch that runs alone takes every core (wide), and nothing starts beside it: what
-    arrives meanwhile waits for it, as it would for the continuous scheduler's next step, and its
-    slot's thread takes it when it ends (follow-on); a batch beside it would share the cores, so the
-    first answer comes later and the second no sooner. Once SPLIT_AT or more short requests wait on
-    an idle server, the idle slots share them instead, each batch on its own cores: batches that
-    end at different times let the slot freed first take what came meanwhile, so a queue drains
-    sooner.
-    """
-
-    @staticmethod
-    def pick(idle: Sequence) -> int:
-        """Which idle slot takes the next batch (its position in idle, the most recently freed
-        last): slot 0 if idle, the one that may take every core while alone (executor.start_slots),
-        else the one freed last, so that at low load one thread (and its core's caches) works."""
-        for i, slot in enumerate(idle):
-            if slot.index == 0:
-                return i
-        return len(idle) - 1
-
-    @staticmethod
-    def cores(binding, alone: Callable[[], bool]) -> Callable[[], None] | None:
-        """What a batch on a slot with this binding calls before each step and between a forward's
-        layers: its cores as alone() says now (StreamBinding.share_cores), so that a prefill begun
-        beside another slot's batch widens once that one ends. None on a slot that never widens."""
-        if not binding.can_widen:
-            return None
-        return lambda: binding.share_cores(alone())
-
-    @staticmethod
-    def alone(busy_slots: int, wide: bool, clients_on_their_way: bool) -> bool:
-        """Whether a running batch may take every core now: not while another batch runs; nor,
-        once that one has ended, while its clients are on their way back (they would start a batch
-        on the freed slot: three threads on two cores). A wide batch keeps every core: what arrives
-        waits for it."""
-        return busy_slots == 1 and (wide or not clients_on_their_way)
-
-    @staticmethod
-    def split(idle_slots: int, waiting: Sequence[QueuedRequest]) -> bool:
-        """Whether the waiting requests are worth short batches on their own cores rather than one
-        on every core: SPLIT_AT or more, a short one at the front, another slot idle. A lone
-        request or two still get every core."""
-        return idle_slots > 0 and len(waiting) >= SPLIT_AT and short_request(waiting[0])
-
-    @staticmethod
-    def wide(alone: bool, batch: Sequence[QueuedRequest], can_widen: bool) -> bool:
-        """Whether a batch starting on a slot that may widen runs on every core: short, and alone."""
-        return alone and can_widen and short_batch(batch)
-
-    @staticmethod
-    def starts_split(alone: bool, batch: Sequence[QueuedRequest], idle_slots: int, waiting: int) -> bool:
-        """A short batch that leaves requests for an idle slot does not take every core: they
-        start beside it at once, each batch on its own cores."""
-        return alone and short_batch(batch) and idle_slots > 0 and waiting > 0
-
-    @staticmethod
-    def follows_on(waiting: Sequence[QueuedRequest], idle_slots: int, back_at_once: bool) -> bool:
-        """After a wide batch, on its thread: whether that thread takes the next batch itself,
-        without a round trip through the event loop. Not when clients come back at once (a closed
-        loop: the loop lets the batch fill first), nor with nothing waiting, nor enough to split
-        (the loop shares them), nor a long generation at the front (the loop runs it where others
-        can join it)."""
-        if back_at_once or not waiting or CoreRule.split(idle_slots, waiting):
-            return False
-        return not long_request(waiting[0])
+    A slot that frees up while others run short batches takes its share of the requests in the
+    server, not all that wait: otherwise one big and one small batch alternate for good (a big
+    one leaves few behind, whose clients come back together), and the small ones waste the
+    slot. Only against short batches, so that what is left waits for one short batch at most,
+    never for a long generation."""
+    running = list(running)
+    if not running:
+        return -(-waiting // (idle + 1)) if split else 0  # this slot and the idle ones
+    if any(steps > SHORT_BATCH_STEPS for _, steps in running):
+        return 0
+    return -(-(sum(size for size, _ in running) + waiting) // slots)  # ceil
 
 
-class JoinRule:
-    """Long generations joining a running generation batch at its next step.
+# --- the core rule: on a CPU, how a short batch's slot shares the cores (StreamBinding.share_cores) ---
+#
+# A short batch that runs alone takes every core (wide), and nothing starts beside it: what arrives
+# meanwhile waits for it, as it would for the continuous scheduler's next step, and its slot's thread
+# takes it when it ends (follow-on); a batch beside it would share the cores, so the first answer
+# comes later and the second no sooner. Once SPLIT_AT or more short requests wait on an idle server,
+# the idle slots share them instead, each batch on its own cores: batches that end at different
+# times let the slot freed first take what came meanwhile, so a queue drains sooner.
 
-    While every slot is busy, generation requests that arrive join the running long generation
-    batch with the fewest sequences, as under the continuous scheduler, instead of waiting for a
-    whole batch. On a CPU they join it even with a slot idle while it runs alone on every core:
-    decode is bound by reading the weights, and a step reads every weight once whatever its rows,
-    so one batch on every core beats two on a core each. Short, prefill-heavy batches still start
-    on their own; beam searches never join.
-    """
+def pick_slot(idle: Sequence) -> int:
+    """Which idle slot takes the next batch (its position in idle, the most recently freed last):
+    one that may take every core while alone (binding.can_widen: runtime/executor.py says which)
+    if idle, else the one freed last, so that at low load one thread (and its core's caches) works."""
+    for i, slot in enumerate(idle):
+        if slot.binding.can_widen:
+            return i
+    return len(idle) - 1
 
-    @staticmethod
-    def seats(max_seqs: int, seated: int, joining: int) -> int:
-        """Sequences a running generation batch can still take in."""
-        return max_seqs - seated - joining
 
-    @staticmethod
-    def target(sizes: Mapping[int, int]) -> int:
-        """The slot whose batch joiners go to: sizes, slot -> sequences running and joining."""
-        return min(sizes, key=sizes.__getitem__)
+def alone(busy_slots: int, wide: bool, clients_on_their_way: bool) -> bool:
+    """Whether a running batch may take every core now: not while another batch runs; nor, once
+    that one has ended, while its clients are on their way back (they would start a batch on the
+    freed slot: three threads on two cores). A wide batch keeps every core: what arrives waits for it."""
+    return busy_slots == 1 and (wide or not clients_on_their_way)
 
-    @staticmethod
-    def joins(request: QueuedRequest, long_only: bool, seats: int) -> bool:
-        """Whether the request at the front of the queue joins the target batch. long_only (with
-        a slot idle: join_instead): only a long generation, and only into a free seat."""
-        if not isinstance(request, EngineRequest):
-            return False  # a beam search waits for a slot of its own
-        return not long_only or (long_request(request) and seats > 0)
 
-    @staticmethod
-    def join_instead(busy_slots: int, joinable: int, can_widen: bool, front: QueuedRequest | None,
-                     seats: int) -> bool:
-        """Whether the long generation at the front of the queue joins the one long generation
-        batch that runs alone (on a slot that may widen), rather than start a batch of its own on an
-        idle slot. Not on accelerators, whose slots overlap on streams of their own."""
-        return (busy_slots == 1 and joinable == 1 and front is not None and can_widen
-                and long_request(front) and seats > 0)
+def split(idle_slots: int, waiting: Sequence[QueuedRequest]) -> bool:
+    """Whether the waiting requests are worth short batches on their own cores rather than one on
+    every core: SPLIT_AT or more, a short one at the front, another slot idle. A lone request or
+    two still get every core."""
+    return idle_slots > 0 and len(waiting) >= SPLIT_AT and short_request(waiting[0])
+
+
+def wide(alone: bool, batch: Sequence[QueuedRequest], can_widen: bool) -> bool:
+    """Whether a batch starting on a slot that may widen runs on every core: short, and alone."""
+    return alone and can_widen and short_batch(batch)
+
+
+def starts_split(alone: bool, batch: Sequence[QueuedRequest], idle_slots: int, waiting: int) -> bool:
+    """A short batch that leaves requests for an idle slot does not take every core: they start
+    beside it at once, each batch on its own cores."""
+    return alone and short_batch(batch) and idle_slots > 0 and waiting > 0
+
+
+def follows_on(waiting: Sequence[QueuedRequest], idle_slots: int, back_at_once: bool) -> bool:
+    """After a wide batch, on its thread: whether that thread takes the next batch itself, without
+    a round trip through the event loop. Not when clients come back at once (a closed loop: the
+    loop lets the batch fill first), nor with nothing waiting, nor enough to split (the loop shares
+    them), nor a long generation at the front (the loop runs it where others can join it)."""
+    if back_at_once or not waiting or split(idle_slots, waiting):
+        return False
+    return not long_request(waiting[0])
+
+
+# --- the join rule: long generations joining a running generation batch at its next step ---
+#
+# While every slot is busy, generation requests that arrive join the running long generation batch
+# with the fewest sequences, as under the continuous scheduler, instead of waiting for a whole
+# batch. On a CPU they join it even with a slot idle while it runs alone on every core: decode is
+# bound by reading the weights, and a step reads every weight once whatever its rows, so one batch
+# on every core beats two on a core each. Short, prefill-heavy batches still start on their own;
+# beam searches never join.
+
+def seats(max_seqs: int, seated: int, joining: int) -> int:
+    """Sequences a running generation batch can still take in."""
+    return max_seqs - seated - joining
+
+
+def join_target(sizes: Mapping[int, int]) -> int:
+    """The slot whose batch joiners go to: sizes, slot -> sequences running and joining."""
+    return min(sizes, key=sizes.__getitem__)
+
+
+def joins(request: QueuedRequest, long_only: bool, seats: int) -> bool:
+    """Whether the request at the front of the queue joins the target batch. long_only (with a
+    slot idle: join_instead): only a long generation, and only into a free seat."""
+    if not isinstance(request, EngineRequest):
+        return False  # a beam search waits for a slot of its own
+    return not long_only or (long_request(request) and seats > 0)
+
+
+def join_instead(busy_slots: int, joinable: int, can_widen: bool, front: QueuedRequest | None, seats: int) -> bool:
+    """Whether the long generation at the front of the queue joins the one long generation batch
+    that runs alone (on a slot that may widen), rather than start a batch of its own on an idle
+    slot. Not on accelerators, whose slots overlap on streams of their own."""
+    return (busy_slots == 1 and joinable == 1 and front is not None and can_widen
+            and long_request(front) and seats > 0)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 
-from .detokenizer import IncrementalDetokenizer
-from .sampling import SamplingParams, TokenLogprobs, make_generator
+from .params import SamplingParams, TokenLogprobs
 
 
 class Delta:
@@ -22,7 +20,7 @@ class Delta:
         self.logprobs = logprobs
         self.finish_reason = finish_reason
         self.error = error
-        self.beams = beams  # a beam search's final sequences, best first (engine/beam.py)
+        self.beams = beams  # a beam search's final sequences, best first (execution/beam.py)
 
 
 class QueuedRequest:
@@ -56,31 +54,6 @@ class QueuedRequest:
         self.finish_reason = "error"
         return Delta(self.index, "", None, None, "error", message)
 
-    def prepare(self, runner) -> None:
-        """Build what stepping it needs from its own fields, before it joins a batch
-        (Engine.submit): whatever they make fail fails this request alone, never a batch."""
-
-
-_NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)
-
-
-def admitted_prefixes(runner, requests: list[QueuedRequest]):
-    """Their prefill's block: yields each request's prefix-cache hit from admission (None where the
-    runner caches no prefixes: then nothing else runs), and unpins them after it, whether it
-    returned or raised."""
-    return _unpinned_after(runner, requests) if runner.caches_prefixes else _NO_PREFIXES
-
-
-@contextlib.contextmanager
-def _unpinned_after(runner, requests: list[QueuedRequest]):
-    try:
-        yield [req.prefix for req in requests]
-    finally:
-        for req in requests:
-            if req.prefix is not None:
-                runner.release_prefix(req.prefix)
-                req.prefix = None
-
 
 class EngineRequest(QueuedRequest):
     """A prompt, its sampling parameters and its generation state."""
@@ -96,7 +69,7 @@ class EngineRequest(QueuedRequest):
         self.text = ""
         self.prompt_scores = None  # with params.prompt_logprobs: PromptScores, set by the prefill
         self._sent = 0  # characters of text already handed out
-        self._detok: IncrementalDetokenizer | None = None
+        self._detok = None  # an IncrementalDetokenizer (execution/detokenizer.py)
         # Text that could still become the start of a stop string is held back.
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._eos: frozenset[int] = frozenset()
@@ -121,14 +94,9 @@ class EngineRequest(QueuedRequest):
         keeps prompt + max_tokens within the model's length."""
         return len(self.prompt_ids) + self.params.max_tokens if self.params.max_tokens > 1 else 0
 
-    def prepare(self, runner) -> None:
-        """Its detokenizer and its own random generator (seeded from its `seed`)."""
-        self.bind(runner.tokenizer, runner.eos_token_ids, runner.max_model_len)
-        self.generator = make_generator(self.params, runner.device, self.index)
-
-    def bind(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
-        """Attach what stepping needs from the model (once, before the first step)."""
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def bind(self, detokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """Attach what stepping needs from the model (once, before the first step: execution/prepare.py)."""
+        self._detok = detokenizer
         self._eos = frozenset() if self.params.ignore_eos else eos_token_ids
         self._max_len = max_model_len
 
@@ -166,3 +134,46 @@ class EngineRequest(QueuedRequest):
                 self.text = self.text[:at + len(stop) if self.params.include_stop else at]
                 return True
         return False
+
+
+class BeamRequest(QueuedRequest):
+    """A prompt searched with beam_width beams for `rounds` tokens."""
+
+    __slots__ = ("beam_width", "rounds", "trie", "leaves")
+
+    def __init__(self, index: int, prompt_ids: list[int], beam_width: int, rounds: int, sink,
+                 trie=None, leaves=None) -> None:
+        super().__init__(index, prompt_ids, sink)
+        self.beam_width = beam_width
+        self.rounds = rounds
+        # The item table's trie this request searches (the one loaded when it arrived: a reload
+        # never changes a running search), and its own filter of the table's tuples, if any.
+        self.trie = trie
+        self.leaves = leaves
+
+    @property
+    def num_seqs(self) -> int:
+        return self.beam_width
+
+    @property
+    def max_steps(self) -> int:
+        return self.rounds
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Its prompt once, plus the tokens its beams add (their own keys, not copies of the prompt)."""
+        return len(self.prompt_ids) + self.beam_width * (self.rounds - 1)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Its prompt's cache row (none for a single round: nothing is fed after the prefill)."""
+        return len(self.prompt_ids) if self.rounds > 1 else 0
+
+    @property
+    def own_rows(self) -> int:
+        return self.beam_width if self.rounds > 1 else 0
+
+    @property
+    def own_tokens(self) -> int:
+        """The tokens each beam keeps in its own cache: one a round after the first."""
+        return self.rounds - 1

@@ -176,7 +176,7 @@ class BeamDecode:
         prompt_keys, prompt_values = self.prompts.keys(layer), self.prompts.values(layer)
         outs = []
         for row, (first, end) in enumerate(zip(self.starts, self.starts[1:])):
-            if first == end:  # every beam of this request had one way to end (engine/beam.py)
+            if first == end:  # every beam of this request had one way to end (execution/beam.py)
                 continue
             length = self.prompt_lengths[row]
             outs.append(self.backend.beam_prompt(q[first:end], prompt_keys[row, :, :length],

@@ -243,7 +243,7 @@ class ModelRunner:
         kv.step()
         return self.model.logits(hidden)
 
-    # --- beam search (engine/beam.py): the prompt's keys once, each beam's own tokens apart ---
+    # --- beam search (execution/beam.py): the prompt's keys once, each beam's own tokens apart ---
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
                      between_layers: Callable[[], None] | None = None, cached: list[int] | None = None,
@@ -284,7 +284,7 @@ class ModelRunner:
         return self.model.logits(hidden, tokens, as_float, columns)
 
     def topk_logsumexp(self):
-        """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (engine/runner.py)."""
+        """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (execution/runner.py)."""
         return self._beam_topk
 
 

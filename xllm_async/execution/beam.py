@@ -7,7 +7,7 @@ tokens (the runner's beam calls, model/attention.py's BeamDecode). Each round: f
 log-probability -> the beams' own caches follow their parents. EOS is an ordinary token here: item ids
 have a fixed length, so every request runs its rounds to the end.
 
-With an item table (engine/item_trie.py) every beam may only continue with a token
+With an item table (execution/item_trie.py) every beam may only continue with a token
 that keeps it on an item's path: the LM head is computed for the tokens that occur at
 that depth only, the others masked, and log-probabilities are normalised over the
 allowed tokens (the model's distribution given that the answer is an item; transformers'
@@ -23,7 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .request import Delta, QueuedRequest, admitted_prefixes
+from ..engine.request import BeamRequest, Delta
+from .prepare import admitted_prefixes
 from .runner import Runner
 
 # Vocabulary columns a beam round without an item table takes at a time (BeamSearchBatch._row_tops).
@@ -42,49 +43,6 @@ class BeamResult:
         self.text = text
         self.cumulative_logprob = cumulative_logprob
         self.leaf = leaf  # with an item table: the tuple's number in its trie (which items it names)
-
-
-class BeamRequest(QueuedRequest):
-    """A prompt searched with beam_width beams for `rounds` tokens."""
-
-    __slots__ = ("beam_width", "rounds", "trie", "leaves")
-
-    def __init__(self, index: int, prompt_ids: list[int], beam_width: int, rounds: int, sink,
-                 trie=None, leaves=None) -> None:
-        super().__init__(index, prompt_ids, sink)
-        self.beam_width = beam_width
-        self.rounds = rounds
-        # The item table's trie this request searches (the one loaded when it arrived: a reload
-        # never changes a running search), and its own filter of the table's tuples, if any.
-        self.trie = trie
-        self.leaves = leaves
-
-    @property
-    def num_seqs(self) -> int:
-        return self.beam_width
-
-    @property
-    def max_steps(self) -> int:
-        return self.rounds
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Its prompt once, plus the tokens its beams add (their own keys, not copies of the prompt)."""
-        return len(self.prompt_ids) + self.beam_width * (self.rounds - 1)
-
-    @property
-    def cache_tokens(self) -> int:
-        """Its prompt's cache row (none for a single round: nothing is fed after the prefill)."""
-        return len(self.prompt_ids) if self.rounds > 1 else 0
-
-    @property
-    def own_rows(self) -> int:
-        return self.beam_width if self.rounds > 1 else 0
-
-    @property
-    def own_tokens(self) -> int:
-        """The tokens each beam keeps in its own cache: one a round after the first."""
-        return self.rounds - 1
 
 
 class _Group:
@@ -301,7 +259,7 @@ class BeamSearchBatch:
         for start in range(0, vocab_size, block):
             end = min(vocab_size, start + block)
             logits = self.runner.logits(hidden, as_float=False, columns=(start, end))
-            if fused is not None:  # (the runner's where it takes these logits: engine/runner.py)
+            if fused is not None:  # (the runner's where it takes these logits: execution/runner.py)
                 # Top k and log-sum-exp in two passes of our kernel (csrc/beam_topk.cpp), a span's rows at a time.
                 lses = []
                 for found, (first, last, k) in zip(tops, spans):

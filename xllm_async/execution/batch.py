@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .request import Delta, EngineRequest, admitted_prefixes
+from ..engine.request import Delta, EngineRequest
+from .prepare import admitted_prefixes
 from .runner import Runner
 from .sampling import sample
 

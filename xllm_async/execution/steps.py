@@ -8,11 +8,31 @@ import logging
 import time
 from collections.abc import Callable
 
+from ..engine.handoff import SlotHandoff
+from ..engine.policies import short_batch
+from ..engine.request import BeamRequest, QueuedRequest
 from .batch import GenerationBatch, fail_all
-from .beam import BeamRequest, BeamSearchBatch
-from .request import QueuedRequest
+from .beam import BeamSearchBatch
+from .prepare import prepare
 
 log = logging.getLogger("xllm_async.scheduler")
+
+
+class Execution:
+    """What the engine on the loop is given of the slot side (service.py builds it): the runner, a
+    step loop for each slot, and what a request needs before it joins a batch (prepare.py). The
+    engine calls these and imports none of them."""
+
+    __slots__ = ("runner",)
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def step_loop(self, slot, deliver: Callable[[list], None], metrics=None) -> StepLoop:
+        return StepLoop(self.runner, slot, deliver, metrics)
+
+    def prepare(self, request: QueuedRequest) -> None:
+        prepare(self.runner, request)
 
 
 class StepLoop:
@@ -71,6 +91,44 @@ class StepLoop:
             self._count(mark)
             slot.batches_run += 1  # a prefill batch, answered or failed
         return prefill_seconds
+
+    def run_handed(self, handoff: SlotHandoff, requests: list[QueuedRequest], wide: bool, split: bool) -> None:
+        """The fixed-steps scheduler's batch, handed through the slot's handoff: run it; after a
+        wide one, the batches that waited for it (follow-on). split: the batch shares the waiting
+        requests with an idle slot's, which may not have started yet: its prefill begins on its own
+        share of the cores."""
+        cores = handoff.cores if handoff.binding.can_widen else None
+        while True:
+            handoff.binding.share_cores(not split and handoff.may_widen)
+            prefill_seconds = self.run(requests, handoff.joiners, cores, handoff.made)
+            split = False
+            following = handoff.follow_on(prefill_seconds) if wide else []
+            if not following:
+                handoff.ended(len(requests), prefill_seconds)
+                return
+            handoff.followed(len(requests), prefill_seconds, following)
+            requests = following
+            wide = short_batch(following)
+
+    def serve(self, handoff: SlotHandoff) -> None:
+        """The continuous scheduler's slot: sleep while nothing waits; run what waits, taking
+        whatever arrives into the running batch before every step."""
+        waiting, budget = handoff.waiting, handoff.budget
+
+        def joiners(batch) -> list[QueuedRequest]:
+            return waiting.take(budget, len(batch), cache_in_use=batch.cache_in_use())
+
+        while not self.stopping:
+            # Clear before looking, so an arrival between the two still wakes us.
+            waiting.arrived.clear()
+            if not waiting:
+                waiting.arrived.wait()
+                continue
+            new = waiting.take(budget)
+            if new:
+                handoff.busy = True
+                self.run(new, joiners)
+                handoff.busy = False
 
     def _join(self, batch, new: list[QueuedRequest]) -> None:
         try:

@@ -1,0 +1,41 @@
+"""What a request needs on the slot side before and around its prefill: its detokenizer and
+random generator, made at admission (so that whatever they make fail fails it alone), and its
+prefix-cache hit, released when its prefill is over."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..engine.request import EngineRequest, QueuedRequest
+from .detokenizer import IncrementalDetokenizer
+from .sampling import make_generator
+
+
+def prepare(runner, request: QueuedRequest) -> None:
+    """Build what stepping the request needs from its own fields, before it joins a batch
+    (Engine.submit, on the loop): a generation request's detokenizer and its own random generator
+    (seeded from its `seed`); a beam search needs nothing."""
+    if isinstance(request, EngineRequest):
+        request.bind(IncrementalDetokenizer(runner.tokenizer), runner.eos_token_ids, runner.max_model_len)
+        request.generator = make_generator(request.params, runner.device, request.index)
+
+
+_NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)
+
+
+def admitted_prefixes(runner, requests: list[QueuedRequest]):
+    """Their prefill's block: yields each request's prefix-cache hit from admission (None where the
+    runner caches no prefixes: then nothing else runs), and unpins them after it, whether it
+    returned or raised."""
+    return _unpinned_after(runner, requests) if runner.caches_prefixes else _NO_PREFIXES
+
+
+@contextlib.contextmanager
+def _unpinned_after(runner, requests: list[QueuedRequest]):
+    try:
+        yield [req.prefix for req in requests]
+    finally:
+        for req in requests:
+            if req.prefix is not None:
+                runner.release_prefix(req.prefix)
+                req.prefix = None
