@@ -54,7 +54,7 @@ run() {  # a step that may fail without stopping the others; its time limit in s
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)
 print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")'
 
-    [ -f "$MODEL/config.json" ] || run 180 "$PY" -m xllm_async.random_model "$MODEL" --size "$SIZE"
+    [ -f "$MODEL/config.json" ] || run 180 "$PY" -m xllm_async.testing.random_model "$MODEL" --size "$SIZE"
 
     # The graphed forward against the plain one and transformers, on this device, in float32
     # (tests/test_graphs.py with real CUDA graphs; the tiny model, the real tokenizer).
@@ -88,7 +88,7 @@ print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
     # What the wake-ups cost on these cores: on the 2-vCPU VM here each took 40-90 us (RESULTS.md).
     if want trace; then
         TINY=perf/results/models/qwen3-tiny
-        [ -f "$TINY/config.json" ] || run 120 "$PY" -m xllm_async.random_model "$TINY" --size tiny
+        [ -f "$TINY/config.json" ] || run 120 "$PY" -m xllm_async.testing.random_model "$TINY" --size tiny
         run 150 "$PY" perf/trace_c1.py --model "$TINY" \
             --server-args "--scheduler fixed_steps --concurrent-execute-stream-num 2 --devices cpu --torch-threads 1"
     fi

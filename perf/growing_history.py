@@ -131,7 +131,7 @@ def run_config(model: str, flags: list[str], name: str, work: Workload, args: ar
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a model folder (default: the random Qwen3 of --size)")
-    parser.add_argument("--size", default="medium", help="random Qwen3 size (xllm_async.random_model SIZES)")
+    parser.add_argument("--size", default="medium", help="random Qwen3 size (xllm_async.testing.random_model SIZES)")
     parser.add_argument("--config", action="append", help=f"name=server flags (default {DEFAULT_CONFIGS})")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--clients", type=int, default=8)

@@ -57,17 +57,17 @@ def ensure_model(path: str | None) -> str:
     if path != DEFAULT_MODEL:
         raise ServerError(f"--model {path}: no config.json there")
     print(f"building the tiny random Qwen3 at {path} (once)", flush=True)
-    subprocess.run([sys.executable, "-m", "xllm_async.random_model", path, "--size", "tiny"], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "xllm_async.testing.random_model", path, "--size", "tiny"], cwd=ROOT,
                    check=True, stdout=subprocess.DEVNULL)
     return path
 
 
 def ensure_random_model(size: str) -> str:
-    """perf/results/models/qwen3-<size>: a random Qwen3 of xllm_async.random_model's SIZES, built once."""
+    """perf/results/models/qwen3-<size>: a random Qwen3 of xllm_async.testing.random_model's SIZES, built once."""
     path = os.path.join(PERF_DIR, "results", "models", f"qwen3-{size}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"building the {size} random Qwen3 at {path} (once)", flush=True)
-        subprocess.run([sys.executable, "-m", "xllm_async.random_model", path, "--size", size], cwd=ROOT,
+        subprocess.run([sys.executable, "-m", "xllm_async.testing.random_model", path, "--size", size], cwd=ROOT,
                        check=True, stdout=subprocess.DEVNULL)
     return path
 

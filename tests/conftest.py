@@ -69,7 +69,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from xllm_async.random_model import build_qwen3
+    from xllm_async.testing.random_model import build_qwen3
 
     return build_qwen3(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"),
                        max_position_embeddings=TINY_CONTEXT)

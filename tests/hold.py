@@ -1,4 +1,4 @@
-"""Holding a test server's forwards on files (xllm_async/runtime/hold.py), so that a
+"""Holding a test server's forwards on files (xllm_async/testing/hold.py), so that a
 test keeps a slot busy, a request waiting or a deadline passing for exactly as
 long as it needs, on any machine."""
 
@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 
-from xllm_async.runtime.hold import ENV
+from xllm_async.testing.hold import ENV
 
 
 class Hold:

@@ -437,7 +437,7 @@ def test_a_kernel_that_did_not_verify_fails_its_tests_where_the_cpu_has_the_inst
 def small_qwen3_dir(tmp_path_factory) -> str:
     """Heads 32 wide: the tiny model's 16 are narrower than our decode attention takes, so its
     steps never run natively (csrc/small_step.cpp)."""
-    from xllm_async.random_model import build_qwen3
+    from xllm_async.testing.random_model import build_qwen3
 
     return build_qwen3(str(tmp_path_factory.mktemp("models") / "small-qwen3"), "small", max_position_embeddings=256)
 

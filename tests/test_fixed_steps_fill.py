@@ -451,9 +451,9 @@ async def test_on_an_idle_server_enough_short_requests_split_between_the_slots(w
 
 async def test_a_split_batch_is_told_it_is_alone_once_its_partner_ends(wide_slot):
     """What a slot's thread reads before each step and between a forward's layers (its handoff's
-    may_widen, which the scheduler publishes from batcher.alone): split batches run on their own cores while both run, and the one left
-    takes every core, unless the ended batch's clients are coming right back (closed loop) to start
-    one on the freed slot."""
+    may_widen, which the scheduler publishes from batcher.alone): split batches run on their own
+    cores while both run, and the one left takes every core, unless the ended batch's clients are
+    coming right back (closed loop) to start one on the freed slot."""
     batcher, slots, clock = wide_slot
     for return_delay, alone_after in ((3600.0, True), (0.0, False)):  # open loop, closed loop
         batcher.returns = ReturnEstimate(return_delay)

@@ -23,9 +23,9 @@ from .metrics import Counter, Gauge, Metrics, ProcessFigures
 from .runtime.default_model import default_model_dir
 from .runtime.device import DeviceError, resolve_device
 from .runtime.executor import start_slots
-from .runtime.hold import maybe_hold
 from .runtime.host_memory import TrimSchedule, heap_trimmer
 from .runtime.model_runner import ModelRunner, load_runner
+from .testing.hold import maybe_hold
 
 log = logging.getLogger("xllm_async.server")
 TRIM_INTERVAL = 5.0  # seconds between two malloc_trim calls while requests run
@@ -60,7 +60,7 @@ class Service:
         except DeviceError as exc:
             raise ConfigError(str(exc)) from None
         model_dir = settings.model or default_model_dir(settings.cache_dir)
-        # maybe_hold: the runner itself, unless a test asked for a hold on its forwards (runtime/hold.py).
+        # maybe_hold: the runner itself, unless a test asked for a hold on its forwards (testing/hold.py).
         try:
             runner = runner or load_runner(model_dir, device, settings.dtype, settings.engine, settings.quantization)
         except ValueError as exc:

@@ -41,7 +41,7 @@ def median_ms(fn, reps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="medium", help="random Qwen3 size (xllm_async.random_model SIZES)")
+    parser.add_argument("--size", default="medium", help="random Qwen3 size (xllm_async.testing.random_model SIZES)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--history", type=int, default=2000)
     parser.add_argument("--new", type=int, default=20)

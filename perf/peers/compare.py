@@ -275,7 +275,7 @@ def run_line(concurrency: int, metrics: dict) -> str:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is sent, to which model (a folder, or a size of xllm_async.random_model), at which
+    """What is sent, to which model (a folder, or a size of xllm_async.testing.random_model), at which
     concurrencies; the beams workload sends one beam search at a time of each width instead."""
 
     name: str

@@ -29,10 +29,39 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 from .budget import BatchBudget
 from .policies import back_at_once, follows_on
 from .request import QueuedRequest
+
+
+@runtime_checkable
+class Binding(Protocol):
+    """What a slot's thread is bound to, as the scheduler sees it (runtime/device.py StreamBinding)."""
+
+    @property
+    def can_widen(self) -> bool:
+        """Whether it takes every core while the other slots are idle (one slot at most: runtime/executor.py)."""
+
+    def share_cores(self, alone: bool) -> None:
+        """On a CPU: every core while alone, else its share (a no-op elsewhere)."""
+
+
+@runtime_checkable
+class Slot(Protocol):
+    """An execution slot, as the engine and the step loop use it (runtime/executor.py ExecutionSlot)."""
+
+    index: int
+    binding: Binding
+    busy_seconds: float  # written on its thread, read when metrics are scraped
+    batches_run: int
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run job on the slot's thread, after whatever it runs now."""
+
+    def stop(self) -> None:
+        """End the thread once its jobs are done."""
 
 
 class WaitingQueue:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from ..engine.request import Delta, EngineRequest
@@ -13,17 +14,47 @@ from .sampling import sample
 Items = list[tuple[EngineRequest, Delta]]
 
 
-class GenerationBatch:
+class Batch(ABC):
+    """What the step loop (steps.py) drives on a slot's thread: a prefill, then a step at a time
+    until it is empty, each returning [(request, delta), ...] for the loop. GenerationBatch and
+    BeamSearchBatch implement it (tests/test_handoff.py checks them)."""
+
+    __slots__ = ()
+    joinable = False  # whether add() takes requests into it while it runs (the join rule's batches)
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Rows still running: 0 ends the batch."""
+
+    @abstractmethod
+    def prefill(self) -> list:
+        """Its requests' prompts, once: their first deltas."""
+
+    @abstractmethod
+    def decode(self) -> list:
+        """One step of every row."""
+
+    def add(self, requests: list) -> list:
+        """Prefill requests into it as new rows (only where joinable)."""
+        raise TypeError(f"{type(self).__name__} takes no requests while it runs")
+
+    def cache_in_use(self) -> tuple[int, int]:
+        """(rows, tokens a row) of its cache, for the budget of requests joining it (only where joinable)."""
+        raise TypeError(f"{type(self).__name__} takes no requests while it runs")
+
+
+class GenerationBatch(Batch):
     """Requests plus their shared key/value cache.
 
     prefill() runs once, decode() once per round; finished rows leave the
     batch (and the cache) right after the step that finished them, so they
     stop costing work. Every step returns [(request, delta), ...] for the loop.
-    Its requests come prepared (EngineRequest.prepare): nothing a request brings
+    Its requests come prepared (execution/prepare.py): nothing a request brings
     is turned into state here, where a failure would fail the whole batch.
     """
 
     __slots__ = ("runner", "requests", "kv", "between_layers", "_next_tokens", "_metrics")
+    joinable = True
 
     def __init__(self, runner: Runner, requests: list[EngineRequest], metrics=None,
                  between_layers: Callable[[], None] | None = None) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..engine.request import BeamRequest, Delta
+from .batch import Batch
 from .prepare import admitted_prefixes
 from .runner import Runner
 
@@ -64,9 +65,9 @@ class _Group:
         return self.request.trie
 
 
-class BeamSearchBatch:
-    """Beam requests that step together on one execution thread; same interface
-    as GenerationBatch (prefill, decode, len), deltas only at the end."""
+class BeamSearchBatch(Batch):
+    """Beam requests that step together on one execution thread (a Batch that takes no joiners:
+    beam searches never join), deltas only at the end."""
 
     __slots__ = ("runner", "requests", "groups", "state", "between_layers", "_metrics")
 
