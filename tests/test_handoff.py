@@ -30,7 +30,8 @@ def _conforms(cls: type, contract: type) -> list[str]:
     """What cls lacks of contract's methods, or takes differently (parameter names, in order)."""
     wrong = []
     for name, member in inspect.getmembers(contract):
-        if name.startswith("_") and name != "__len__" or not (inspect.isfunction(member) or isinstance(member, property)):
+        declared = inspect.isfunction(member) or isinstance(member, property)
+        if name.startswith("_") and name != "__len__" or not declared:
             continue
         mine = getattr(cls, name, None)
         if mine is None:
