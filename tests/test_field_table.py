@@ -13,7 +13,7 @@ from xllm_async.api.field_table import IMPLEMENTED, REFUSED, RULES, TABLE, Neutr
 from xllm_async.api.vllm_beams import EndedBeam, ended_at_eos
 from xllm_async.engine.beam import BeamResult
 
-from .client import post
+from .client import post, stream_events
 
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
 BASE = {"/v1/completions": {"prompt": [5, 6, 7], "max_tokens": 2},
@@ -76,6 +76,12 @@ def test_fields_no_schema_knows_are_still_ignored(server):
 def test_what_was_silently_ignored_on_completions_is_refused(server, name, value):
     status, answer, _ = post(server.port, "/v1/completions", {**BASE["/v1/completions"], name: value})
     assert status == 400 and answer["error"]["param"] == name, answer
+
+
+def test_vllms_continuous_usage_stats_is_refused(server):
+    body = {**BASE["/v1/completions"], "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    status, answer, _ = post(server.port, "/v1/completions", body)
+    assert status == 400 and answer["error"]["param"] == "stream_options", answer
 
 
 def test_the_table_in_docs_is_the_modules():
@@ -180,3 +186,10 @@ def test_return_tokens_as_token_ids_on_both_routes(server):
     for entry in answer["choices"][0]["logprobs"]["content"]:
         assert entry["token"].startswith("token_id:") and int(entry["token"][9:]) >= 0
         assert entry["bytes"] == list(entry["token"].encode())
+
+
+def test_return_tokens_as_token_ids_streamed(server):
+    body = {**BASE["/v1/completions"], "logprobs": 1, "return_tokens_as_token_ids": True}
+    events = stream_events(server.port, "/v1/completions", body)
+    tokens = [t for e in events[:-1] if e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens), events

@@ -60,7 +60,7 @@ class FieldRule:
 
 
 R = FieldRule
-BOTH, COMPLETIONS, CHAT = "both", "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GUIDED = "vLLM: structured outputs (xgrammar/guidance)"
 RULES = [
     # --- OpenAI's fields ---
@@ -198,11 +198,9 @@ def check_fields(body: dict, chat: bool) -> None:
             raise bad(name, f"`{name}` is not a field of {route} (it is one of {other})")
         if behaviour.allows(value):
             continue
-        if behaviour.kind is None and behaviour.values and not any(
-                _json_type(value) == _json_type(v) for v in behaviour.values):
-            raise bad(name, f"`{name}` must be {_KIND_NAMES[_json_type(behaviour.values[0])]}, got {shown(value)}")
-        if behaviour.kind is not None:
-            raise bad(name, f"`{name}` must be {_KIND_NAMES[behaviour.kind]}, got {shown(value)}")
+        kinds = [behaviour.kind] if behaviour.kind else [_json_type(v) for v in behaviour.values]
+        if kinds and _json_type(value) not in kinds:
+            raise bad(name, f"`{name}` must be {_KIND_NAMES[kinds[0]]}, got {shown(value)}")
         accepted = f" ({behaviour.shown()} is accepted)" if behaviour.values else ""
         route = CHAT if chat else COMPLETIONS
         raise bad(name, f"`{name}` is not supported on {route} by this server{accepted}{rule.hint}")
@@ -224,7 +222,8 @@ def markdown_table() -> str:
     lines = ["| field | `/v1/completions` | `/v1/chat/completions` | OpenAI / vLLM / SGLang |",
              "| --- | --- | --- | --- |"]
     for rule in RULES:
-        lines.append(f"| `{rule.name}` | {_cell(rule.completions)} | {_cell(rule.chat)} | {rule.theirs or 'the same'} |")
+        theirs = rule.theirs or "the same"
+        lines.append(f"| `{rule.name}` | {_cell(rule.completions)} | {_cell(rule.chat)} | {theirs} |")
     return "\n".join(lines) + "\n"
 
 

@@ -172,6 +172,8 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     if user is not None and not isinstance(user, str):
         raise bad("user", f"`user` must be a string, got {shown(user)}")
     include_usage = stream and options.bool("include_usage", False)
+    if options.bool("continuous_usage_stats", False):  # (vLLM's: usage in every chunk)
+        raise bad("stream_options", "`stream_options.continuous_usage_stats` is not supported by this server")
     tokens_as_ids = fields.bool("return_tokens_as_token_ids", False)
     if beam_width is None:
         for name in ITEM_FILTERS:
