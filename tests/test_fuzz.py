@@ -28,8 +28,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from xllm_async.api.field_table import neutral_values
 from xllm_async.api.prompts import MAX_PROMPTS, ROLES
-from xllm_async.api.requests import MAX_LOGPROBS, MAX_STOP_STRINGS, UNSUPPORTED
+from xllm_async.api.requests import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 from .conftest import TINY_CONTEXT, ServerProcess
 
@@ -108,9 +109,15 @@ STOP = st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(max_size=4), 
 TOKEN_LIST = st.one_of(st.lists(TOKEN, max_size=5), st.just(list(range(2000))), WRONG)
 
 
-def unsupported(neutral) -> st.SearchStrategy:
-    """An OpenAI field we accept only at its neutral value: that value, another, or another kind."""
-    return st.one_of(st.just(neutral), st.just(neutral), WRONG, st.integers(-2, 2), st.text(max_size=3))
+def unsupported(behaviour) -> st.SearchStrategy:
+    """A field we do not implement (api/field_table.py): a value it accepts (neutral, any of its kind,
+    or null), another, or another kind."""
+    accepted = st.none()
+    if behaviour is not None and behaviour.values:
+        accepted = st.sampled_from(behaviour.values)
+    elif behaviour is not None and behaviour.kind is not None:
+        accepted = st.text(max_size=6) if behaviour.kind is str else st.just({"k": "v"})
+    return st.one_of(accepted, accepted, WRONG, st.integers(-2, 2), st.text(max_size=3))
 
 
 PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": strings()}),
@@ -157,24 +164,26 @@ COMMON = {
     "num_return_sequences": ints(1, MAX_BEAM, st.integers(1, 4)),
     "allowed_item_ids": ITEM_IDS,
     "exclude_item_ids": ITEM_IDS,
-    **{name: unsupported(neutral) for name, neutral in UNSUPPORTED.items()},
+    "use_beam_search": bools(),
+    "length_penalty": floats(-1e6, 1e6, st.sampled_from([1.0, 0.5])),
+    "return_tokens_as_token_ids": bools(),
 }
 COMPLETION_FIELDS = {
     **COMMON,
+    **{name: unsupported(behaviour) for name, behaviour in neutral_values(chat=False).items()},
     "logprobs": ints(0, MAX_LOGPROBS, st.integers(0, 3)),
     "echo": bools(),
     "prompt_logprobs": ints(0, MAX_LOGPROBS, st.integers(0, 3)),
 }
 CHAT_FIELDS = {
     **COMMON,
+    **{name: unsupported(behaviour) for name, behaviour in neutral_values(chat=True).items()},
     "add_generation_prompt": bools(),
     "chat_template_kwargs": TEMPLATE_KWARGS,
     "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}), WRONG),
     "logprobs": bools(),
     "top_logprobs": ints(0, MAX_LOGPROBS, st.integers(0, 3)),
     "max_completion_tokens": ints(1, TINY_CONTEXT, st.integers(1, 8)),
-    "echo": bools(),
-    "prompt_logprobs": WRONG,
 }
 FIELDS = {"/v1/completions": ("prompt", PROMPT, COMPLETION_FIELDS), "/v1/chat/completions": ("messages", MESSAGES,
                                                                                              CHAT_FIELDS)}
@@ -195,7 +204,7 @@ def capped(body: dict) -> dict:
     default = TINY_CONTEXT if "messages" in body else 16  # max_tokens absent: all the context left, or 16
     limit = max(1, GENERATED // work) if work * default > GENERATED else None
     rounds = body.get("max_tokens")
-    if "beam_width" in body and not (type(rounds) is int and rounds > 64):
+    if ("beam_width" in body or body.get("use_beam_search") is True) and not (type(rounds) is int and rounds > 64):
         limit = min(limit or 8, 8)
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
@@ -322,7 +331,8 @@ def test_the_field_table_covers_every_field_the_api_reads():
         if name.endswith(".py"):
             with open(os.path.join(api, name)) as f:
                 source += f.read()
-    read = set(re.findall(r"fields\.\w+\(\"(\w+)\"", source)) | set(UNSUPPORTED) | {"echo", "prompt_logprobs"}
+    read = (set(re.findall(r"fields\.\w+\(\"(\w+)\"", source)) | set(neutral_values(chat=False))
+            | set(neutral_values(chat=True)) | {"echo", "prompt_logprobs"})
     table = set(COMPLETION_FIELDS) | set(CHAT_FIELDS) | {"prompt", "messages"}
     assert read <= table, f"fields the API reads but the fuzzer never sends: {sorted(read - table)}"
 

@@ -17,7 +17,8 @@ from .fields import shown
 from .items import ItemFilter, ItemTable
 from .model_info import ModelInfo
 from .requests import GenerationSpec
-from .responses import DONE, Choice, ResponseShape
+from .responses import DONE, Choice, ResponseShape, token_id_text
+from .vllm_beams import ended_at_eos
 
 # How a sequence that ended without finishing is answered.
 FAILURES = {"error": 500, "timeout": 408, "shutdown": 503}
@@ -51,6 +52,8 @@ async def generate(engine: Engine, model: ModelInfo, items: ItemTable | None, re
     # As OpenAI and vLLM count it: each prompt once, however many choices share it.
     prompt_tokens = sum(len(p) for p in spec.prompts)
     shape = shape_class(model.name, model.tokenizer, prefix, prompt_tokens, spec.top_logprobs is not None)
+    if spec.tokens_as_ids:
+        shape.token_text = token_id_text
     if engine.runner.caches_prefixes:
         shape.cached_from = [r for r in requests if r.index % spec.n == 0]  # (each prompt once, as prompt_tokens)
     record: AccessRecord = responder.record
@@ -77,6 +80,8 @@ async def generate(engine: Engine, model: ModelInfo, items: ItemTable | None, re
                 raise error
             if spec.beam_width is not None:
                 chosen = chosen_beams(engine.metrics, timer.beams, spec, items, narrowed)
+                if spec.beams_stop_at_eos:
+                    chosen = ended_at_eos(chosen, engine.runner.eos_token_ids, model.tokenizer)
                 responder.send(200, shape.beam_response(chosen, items is not None))
             else:
                 if spec.scoring is not None:

@@ -7,25 +7,22 @@ import orjson
 
 from ..engine.params import MAX_SEED, MIN_SEED, SamplingParams
 from ..errors import ApiError
+from .field_table import check_fields
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo
 from .prompts import chat_prompt, completion_prompts
+from .vllm_beams import read_use_beam_search
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
-# OpenAI fields this server does not implement: accepted only at the value that changes nothing
-# (a request relying on them must not get an answer that silently ignored them).
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
-               "functions": [], "suffix": "", "best_of": 1,
-               # vLLM's extensions we do not implement
-               "repetition_penalty": 1.0, "min_tokens": 0}
 
 
 class GenerationSpec:
     """One validated request: its prompts (token ids), parameters and output options."""
 
     __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
-                 "num_return_sequences", "scoring", "allowed_items", "excluded_items")
+                 "num_return_sequences", "scoring", "allowed_items", "excluded_items", "beams_stop_at_eos",
+                 "tokens_as_ids")
 
     def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
                  num_return_sequences=1) -> None:
@@ -42,6 +39,8 @@ class GenerationSpec:
         # A beam search's filters of the item table (item ids as sent; the route resolves them).
         self.allowed_items: list[str] | None = None
         self.excluded_items: list[str] | None = None
+        self.beams_stop_at_eos = False  # vLLM's use_beam_search without ignore_eos: answers end at EOS
+        self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
 
 
 class Scoring:
@@ -83,18 +82,19 @@ def holds_long_text(body: dict, size: int, chat: bool) -> bool:
 def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
     fields = Fields(body)
     _check_model(fields, model)
-    _check_unsupported(body)
+    check_fields(body, chat=False)
     prompts = completion_prompts(fields.raw("prompt"), model)
     logprobs = fields.int("logprobs", None, 0, MAX_LOGPROBS)
     echo = fields.bool("echo", False)
     prompt_logprobs = fields.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
     max_tokens = fields.int("max_tokens", None, 0 if echo else 1)
-    if max_tokens is None and fields.raw("beam_width") is None:
+    if max_tokens is None and fields.raw("beam_width") is None:  # (use_beam_search takes it too, as vLLM)
         max_tokens = 16  # OpenAI's default for completions
     no_output = max_tokens == 0  # (one token is generated and left out: every sequence makes one)
     spec = _spec(fields, model, prompts, 1 if no_output else max_tokens, "prompt", logprobs, chat=False)
     if echo or prompt_logprobs is not None:
-        for name, value in (("stream", spec.stream), ("beam_width", spec.beam_width is not None)):
+        beams = "use_beam_search" if fields.raw("use_beam_search") else "beam_width"
+        for name, value in (("stream", spec.stream), (beams, spec.beam_width is not None)):
             if value:
                 raise bad(name, f"`echo` and `prompt_logprobs` are not supported with `{name}`")
         raw = fields.raw("prompt")
@@ -111,12 +111,7 @@ def parse_completion(body: dict, model: ModelInfo) -> GenerationSpec:
 def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
     fields = Fields(body)
     _check_model(fields, model)
-    _check_unsupported(body)
-    if fields.dict("response_format").get("type", "text") != "text":
-        raise bad("response_format", "Only `response_format: {\"type\": \"text\"}` is supported by this server")
-    for name in ("echo", "prompt_logprobs"):
-        if fields.raw(name) not in (None, False):
-            raise bad(name, f"`{name}` is not supported on chat completions by this server; use /v1/completions")
+    check_fields(body, chat=True)
     prompt = chat_prompt(fields.raw("messages"), model, fields.bool("add_generation_prompt", True),
                           fields.dict("chat_template_kwargs"))
     logprobs = None
@@ -132,16 +127,20 @@ def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
 
 def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens: int | None, prompt_param: str,
           logprobs: int | None, chat: bool) -> GenerationSpec:
-    beam_width = _beam_width(fields, model)
+    vllm_beams = read_use_beam_search(fields, model)
+    beam_width = _beam_width(fields, model, vllm_beams)
+    longest = max(len(p) for p in prompts)
     if beam_width is not None and max_tokens is None:
-        max_tokens = model.beam.default_rounds  # an item id's length
+        if vllm_beams is not None and not model.beam.item_length:  # (chat: as many rounds as allowed)
+            max_tokens = max(1, min(model.beam.max_rounds, model.max_model_len - longest))
+        else:
+            max_tokens = model.beam.default_rounds  # an item id's length
     if beam_width is not None and model.beam.item_length and max_tokens != model.beam.item_length:
         raise bad("max_tokens", f"Items of this server's table are {model.beam.item_length} tokens long: "
                                 f"`max_tokens` must be {model.beam.item_length} with `beam_width` (or absent)")
     if beam_width is not None and max_tokens > model.beam.max_rounds:
         raise bad("max_tokens", f"A beam search runs at most {model.beam.max_rounds} rounds on this server "
                                 f"(XLLM_MAX_BEAM_ROUNDS): `max_tokens` must be at most that with `beam_width`")
-    longest = max(len(p) for p in prompts)
     if longest >= model.max_model_len:
         raise bad(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens, "
                                 f"but the prompt has {longest} tokens")
@@ -173,17 +172,26 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     if user is not None and not isinstance(user, str):
         raise bad("user", f"`user` must be a string, got {shown(user)}")
     include_usage = stream and options.bool("include_usage", False)
-    n = fields.int("n", 1, 1, model.max_n)
+    if options.bool("continuous_usage_stats", False):  # (vLLM's: usage in every chunk)
+        raise bad("stream_options", "`stream_options.continuous_usage_stats` is not supported by this server")
+    tokens_as_ids = fields.bool("return_tokens_as_token_ids", False)
     if beam_width is None:
         for name in ITEM_FILTERS:
             if fields.raw(name) is not None:
                 raise bad(name, f"`{name}` applies to a beam search over the item table: give `beam_width` too")
-        return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+        spec = GenerationSpec(prompts, params, fields.int("n", 1, 1, model.max_n), stream, include_usage, chat,
+                              logprobs)
+        spec.tokens_as_ids = tokens_as_ids
+        return spec
     _check_beam_fields(fields, params)
-    num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
-    if n != 1:
-        raise bad("n", "`n` must be 1 with `beam_width`; ask for `num_return_sequences` instead")
+    if vllm_beams is not None:
+        num_return = beam_width  # n sequences of n beams, best first
+    else:
+        num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
+        if fields.int("n", 1, 1, model.max_n) != 1:
+            raise bad("n", "`n` must be 1 with `beam_width`; ask for `num_return_sequences` instead")
     spec = GenerationSpec(prompts, params, 1, stream, include_usage, chat, logprobs, beam_width, num_return)
+    spec.beams_stop_at_eos = vllm_beams is not None and vllm_beams.stops_at_eos
     spec.allowed_items, spec.excluded_items = (_item_ids(fields, name, model) for name in ITEM_FILTERS)
     return spec
 
@@ -205,19 +213,23 @@ def _item_ids(fields: Fields, name: str, model: ModelInfo) -> list[str] | None:
     return [v if isinstance(v, str) else str(v) for v in value]
 
 
-def _beam_width(fields: Fields, model: ModelInfo) -> int | None:
-    """beam_width if this is a beam search; None for ordinary generation."""
-    width = fields.int("beam_width", None, 1, model.beam.max_beam_width)
+def _beam_width(fields: Fields, model: ModelInfo, vllm_beams) -> int | None:
+    """The beams of this beam search (ours, `beam_width`, or vLLM's, `use_beam_search` with `n`);
+    None for ordinary generation."""
+    if vllm_beams is not None:
+        width, name = vllm_beams.width, "use_beam_search"
+    else:
+        width, name = fields.int("beam_width", None, 1, model.beam.max_beam_width), "beam_width"
     if width is None:
         return None
     if fields.bool("stream", False):
         # Even one beam keeps to the item table and its rounds, and answers at the end: greedy
         # streaming instead would quietly ignore both.
         raise bad("stream", "A beam search returns its sequences at the end: `stream` must be false "
-                            "with `beam_width`")
+                            f"with `{name}`")
     if not model.beam.supported:
-        raise bad("beam_width", "Beam search runs on the fixed_steps scheduler; this server runs continuous "
-                                "(set XLLM_SCHEDULER=fixed_steps)")
+        raise bad(name, "Beam search runs on the fixed_steps scheduler; this server runs continuous "
+                        "(set XLLM_SCHEDULER=fixed_steps)")
     return width
 
 
@@ -229,34 +241,14 @@ def _check_model(fields: Fields, model: ModelInfo) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_unsupported(body: dict) -> None:
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        if neutral is None:
-            raise bad(name, f"`{name}` is not supported by this server")
-        # The type first: `true == 1` in Python, and best_of: true is no number.
-        if not (_is_number(value) if _is_number(neutral) else type(value) is type(neutral)):
-            kind = {int: "a number", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
-                    list: "a list"}[type(neutral)]
-            raise bad(name, f"`{name}` must be {kind}, got {shown(value)}")
-        if value != neutral:
-            raise bad(name, f"`{name}` is not supported by this server (only {neutral!r} is accepted)")
-
-
 def _check_beam_fields(fields: Fields, params: SamplingParams) -> None:
     """A beam search ranks by the model's log-probabilities and runs all its rounds: fields that
     would change that get a 400 rather than be silently ignored."""
     if params.temperature not in (0.0, 1.0):
         raise bad("temperature", "A beam search ranks by the model's log-probabilities: `temperature` must be "
-                                 "0 or 1 (or absent) with `beam_width`")
+                                 "0 or 1 (or absent) in a beam search")
     for name, used in (("top_p", params.top_p < 1.0), ("top_k", params.top_k > 0), ("min_p", params.min_p > 0),
                        ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
                        ("logprobs", params.logprobs is not None)):
         if used:
-            raise bad(name, f"`{name}` does not apply to a beam search (`beam_width`); leave it out")
+            raise bad(name, f"`{name}` does not apply to a beam search; leave it out")

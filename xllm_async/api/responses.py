@@ -19,6 +19,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{_PROCESS}{next(_ids):x}"
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids shows it in logprobs (any token, even one
+    that is no whole character, can be told apart)."""
+    return f"token_id:{token_id}"
+
+
 class Choice:
     """One choice accumulated from its deltas (for the whole response and usage)."""
 
@@ -86,7 +92,8 @@ class ResponseShape:
             for beam, item_ids in pairs:
                 choice = Choice()
                 choice.parts.append(beam.text)
-                choice.finish_reason = "length"
+                # "stop" for a beam answered up to its EOS (api/vllm_beams.py's EndedBeam)
+                choice.finish_reason = getattr(beam, "finish_reason", "length")
                 body = self.whole_choice(len(choices), choice)
                 body["token_ids"] = beam.token_ids
                 body["cumulative_logprob"] = beam.cumulative_logprob
