@@ -19,13 +19,13 @@ from ..engine.engine import Engine
 from ..errors import ApiError
 from ..http.request import HttpRequest
 from ..http.response import TEXT, Responder
+from . import tokenization
 from .access_log import AccessLog, AccessRecord
 from .generation import generate
 from .items import ItemTable
 from .model_info import LONG_TEXT, ModelInfo
 from .requests import GenerationSpec, holds_long_text, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, CompletionShape, new_id
-from . import tokenization
 
 log = logging.getLogger("xllm_async.api")
 
