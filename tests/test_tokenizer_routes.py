@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from xllm_async.api.app import OpenAIApp
 from xllm_async.api.model_info import LONG_TEXT
@@ -199,6 +201,35 @@ def test_detokenize_names_unknown_ids(server, tokens, named):
                                   {"tokens": [True]}, {"tokens": None}])
 def test_detokenize_bad_bodies_get_400_naming_tokens(server, body):
     assert error_of(post(server.port, "/detokenize", body))["param"] == "tokens"
+
+
+# Any value of any kind in each field these routes read: 200 or a 400/404 in OpenAI's shape, never a 500.
+ANY = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_subnormal=False)
+                   | st.text(max_size=6), lambda inner: st.lists(inner, max_size=4)
+                   | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=10)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]) | ANY,
+                                 "content": st.text(max_size=12) | ANY})
+IDS = st.lists(st.integers(-3, 151700) | ANY, max_size=6)
+TOKENIZE_FIELDS = {"prompt": st.text(max_size=20) | IDS | ANY, "messages": st.lists(MESSAGE, max_size=3) | ANY,
+                   "add_special_tokens": st.booleans() | ANY, "add_generation_prompt": st.booleans() | ANY,
+                   "return_token_strs": st.booleans() | ANY, "chat_template_kwargs": ANY,
+                   "continue_final_message": ANY, "tools": ANY, "model": st.just("tiny") | ANY}
+
+
+@pytest.mark.parametrize("path, fields", [("/tokenize", TOKENIZE_FIELDS),
+                                          ("/detokenize", {"tokens": IDS | ANY, "model": st.just("tiny") | ANY})])
+def test_any_body_gets_an_answer_or_a_4xx(server, path, fields):
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=st.fixed_dictionaries({}, optional=fields))
+    def run(body):
+        status, answer, _ = post(server.port, path, body)
+        if status == 200:
+            assert set(answer) >= ({"tokens", "count", "max_model_len"} if path == "/tokenize" else {"prompt"})
+        else:
+            assert status in (400, 404) and set(answer["error"]) == {"message", "type", "param", "code"}, answer
+
+    run()
+    assert server.proc.poll() is None
 
 
 # --- /tokenizer_info ---

@@ -95,7 +95,7 @@ def tokenizer_info(model: ModelInfo) -> dict:
         info[name] = _plain(getattr(tokenizer, name, None))
     info["model_max_length"] = _plain(getattr(tokenizer, "model_max_length", None))
     info["max_model_len"] = model.max_model_len  # what this server accepts, prompt and completion together
-    info["vocab_size"] = len(tokenizer)
+    info["vocab_size"] = len(tokenizer) if hasattr(tokenizer, "__len__") else model.vocab_size  # with added tokens
     info["tokenizer_class"] = type(tokenizer).__name__
     info["chat_template"] = getattr(tokenizer, "chat_template", None)
     return info
