@@ -337,8 +337,10 @@ def _write_tasks(folder) -> None:
         (folder / f"{name}.yaml").write_text(template.format(data=data, cache=folder / "cache"))
 
 
-def test_lm_eval_local_completions_with_the_servers_tokenizer(server, reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scheduler", ["fixed_steps-N2", "continuous-N1"])
+def test_lm_eval_local_completions_with_the_servers_tokenizer(servers, scheduler, reference, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
+    server = servers(scheduler)
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
