@@ -382,3 +382,26 @@ def test_lm_eval_local_completions_with_the_servers_tokenizer(servers, scheduler
         status, done, _ = post(server.port, "/v1/completions", {
             "prompt": sample["doc"]["question"], "max_tokens": 6, "temperature": 0, "stop": ["\n", "<|im_end|>"]})
         assert status == 200 and sample["resps"][0][0] == done["choices"][0]["text"]
+
+
+def test_lm_eval_local_chat_completions_with_the_servers_tokenizer(server, tmp_path, monkeypatch):
+    """The chat model reads nothing of /tokenizer_info by default; told `tokenizer_backend=remote`,
+    it takes the EOS (its stop string) from there and sends the messages to the chat route."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _write_tasks(tmp_path)
+    lm = get_model("local-chat-completions").create_from_arg_string(
+        f"base_url=http://127.0.0.1:{server.port}/v1/chat/completions,model=tiny,tokenizer_backend=remote")
+    assert lm.eos_string == "<|im_end|>"
+    results = simple_evaluate(model=lm, tasks=["xllm_generation"], bootstrap_iters=0, apply_chat_template=True,
+                              task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    for sample in results["samples"]["xllm_generation"]:
+        messages = [{"role": "user", "content": sample["doc"]["question"]}]
+        status, done, _ = post(server.port, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": 6, "temperature": 0, "stop": ["\n", "<|im_end|>"]})
+        assert status == 200 and sample["resps"][0][0] == done["choices"][0]["message"]["content"]
