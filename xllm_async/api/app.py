@@ -19,10 +19,11 @@ from ..engine.engine import Engine
 from ..errors import ApiError
 from ..http.request import HttpRequest
 from ..http.response import TEXT, Responder
+from . import tokenization
 from .access_log import AccessLog, AccessRecord
 from .generation import generate
 from .items import ItemTable
-from .model_info import ModelInfo
+from .model_info import LONG_TEXT, ModelInfo
 from .requests import GenerationSpec, holds_long_text, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, CompletionShape, new_id
 
@@ -54,6 +55,7 @@ class OpenAIApp:
         self.access_log = AccessLog(access_log)
         self.started = time.time()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="xllm-tokenize")
+        self._tokenizer_info = orjson.dumps(tokenization.tokenizer_info(model))  # the tokenizer never changes
         self.routes = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -64,6 +66,12 @@ class OpenAIApp:
             "/server_info": {"GET": self.info},
             "/get_server_info": {"GET": self.info},  # the name SGLang's benchmark asks for
             "/version": {"GET": self.version},
+            # vLLM's tokenizer routes; SGLang serves /tokenize and /detokenize under /v1/ too.
+            "/tokenize": {"POST": self.tokenize},
+            "/v1/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize},
+            "/v1/detokenize": {"POST": self.detokenize},
+            "/tokenizer_info": {"GET": self.tokenizer_info},
         }
         for methods in self.routes.values():  # HEAD wherever GET (RFC 9110 §9.1); the HTTP layer drops the content
             if "GET" in methods:
@@ -179,10 +187,27 @@ class OpenAIApp:
         spec = await self._parse(request, parse_chat, chat=True)
         await generate(self.engine, self.model, self.items, request, spec, ChatShape, "chatcmpl", responder)
 
+    async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
+        body = parse_json(request.body)
+        long = holds_long_text(body, len(request.body), body.get("messages") is not None)
+        responder.send(200, orjson.dumps(await self._tokenizing(long, tokenization.tokenize, body)))
+
+    async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
+        body = parse_json(request.body)
+        long = len(request.body) >= LONG_TEXT  # thousands of ids: their text is decoded off the loop too
+        responder.send(200, orjson.dumps(await self._tokenizing(long, tokenization.detokenize, body)))
+
+    async def tokenizer_info(self, request: HttpRequest, responder: Responder) -> None:
+        responder.send(200, self._tokenizer_info)
+
     async def _parse(self, request: HttpRequest, parser, chat: bool) -> GenerationSpec:
         body = parse_json(request.body)
-        if not holds_long_text(body, len(request.body), chat):
-            return parser(body, self.model)  # microseconds: a thread hop would cost more
-        # Long text is tokenized (and a chat template rendered) on a thread of its own while the
-        # loop serves everyone else; one at a time, so that a flood of them cannot take every core.
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, parser, body, self.model)
+        return await self._tokenizing(holds_long_text(body, len(request.body), chat), parser, body)
+
+    async def _tokenizing(self, long: bool, work, body: dict):
+        """work(body, model): on the loop where it takes microseconds (a thread hop would cost
+        more); for long text on a thread of its own, while the loop serves everyone else (one at a
+        time, so that a flood of them cannot take every core)."""
+        if not long:
+            return work(body, self.model)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, work, body, self.model)

@@ -52,6 +52,14 @@ def _checked_ids(ids: list[int], model: ModelInfo) -> list[int]:
 
 
 def chat_prompt(messages, model: ModelInfo, add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+    # The template already wrote the special tokens it wants.
+    return _encoded(model, chat_text(messages, model, add_generation_prompt, template_kwargs), "messages",
+                    special=False)
+
+
+def chat_text(messages, model: ModelInfo, add_generation_prompt: bool, template_kwargs: dict) -> str:
+    """A chat's messages, checked, rendered by the model's chat template (also /tokenize's path,
+    so that its count is the chat's prompt_tokens)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "`messages` must be a non-empty list")
     plain = [_chat_message(message, i) for i, message in enumerate(messages)]
@@ -62,12 +70,10 @@ def chat_prompt(messages, model: ModelInfo, add_generation_prompt: bool, templat
     if taken:  # only the template's own variables (enable_thinking, ...), never the call's arguments
         raise bad("chat_template_kwargs", f"`chat_template_kwargs` may not set {', '.join(sorted(taken))}")
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=False,
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              **template_kwargs)
     except Exception as exc:  # a template may raise on roles or orders it does not accept
         raise bad("messages", f"The chat template rejected these messages: {exc}") from None
-    # The template already wrote the special tokens it wants.
-    return _encoded(model, text, "messages", special=False)
 
 
 @functools.cache
