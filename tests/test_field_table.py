@@ -11,7 +11,7 @@ import pytest
 
 from xllm_async.api.field_table import IMPLEMENTED, REFUSED, RULES, TABLE, Neutral, markdown_table
 from xllm_async.api.vllm_beams import EndedBeam, ended_at_eos
-from xllm_async.engine.beam import BeamResult
+from xllm_async.execution.beam import BeamResult
 
 from .client import post, stream_events
 

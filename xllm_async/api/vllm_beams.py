@@ -10,7 +10,7 @@ ended ones by logprob / length^length_penalty; here each beam's answer ends at i
 
 from __future__ import annotations
 
-from ..engine.beam import BeamResult
+from ..execution.beam import BeamResult
 from .fields import Fields, bad
 from .model_info import ModelInfo
 
