@@ -10,15 +10,14 @@ from ..errors import ApiError
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo
 from .prompts import chat_prompt, completion_prompts
+from .token_controls import token_controls, used_controls
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 # OpenAI fields this server does not implement: accepted only at the value that changes nothing
 # (a request relying on them must not get an answer that silently ignored them).
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
-               "functions": [], "suffix": "", "best_of": 1,
-               # vLLM's extensions we do not implement
-               "repetition_penalty": 1.0, "min_tokens": 0}
+# (The token controls, logit_bias to repetition_penalty, are read by token_controls.py.)
+UNSUPPORTED = {"tools": [], "functions": [], "suffix": "", "best_of": 1}
 
 
 class GenerationSpec:
@@ -164,6 +163,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         ignore_eos=fields.bool("ignore_eos", False),
         logprobs=logprobs,
         include_stop=fields.bool("include_stop_str_in_output", False),
+        controls=token_controls(fields, model, max_tokens),
     )
     stream = fields.bool("stream", False)
     options = Fields(fields.dict("stream_options"))
@@ -260,3 +260,7 @@ def _check_beam_fields(fields: Fields, params: SamplingParams) -> None:
                        ("logprobs", params.logprobs is not None)):
         if used:
             raise bad(name, f"`{name}` does not apply to a beam search (`beam_width`); leave it out")
+    controls = used_controls(params.controls)
+    if controls:  # (a beam ranks by the model's log-probabilities, as temperature 1 does)
+        raise bad(controls[0], f"`{controls[0]}` is not supported with a beam search (`beam_width`) on this "
+                               "server; leave it out")

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from ..engine.params import SEED_SPACE, SamplingParams, TokenLogprobs
+from .token_controls import RowControls, apply_controls
 
 
 def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:
@@ -34,10 +35,15 @@ def argmax_rows(scores: torch.Tensor) -> list[int]:
     return scores.argmax(dim=-1).tolist()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row of logits [rows, vocab]."""
-    tokens = argmax_rows(logits)
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           controls: list[RowControls | None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row of logits [rows, vocab].
+
+    controls: each row's token controls (None for a row without), or None when no row of the batch
+    has any (the batch's one flag: then nothing here costs more than before they existed). The
+    log-probabilities reported are the model's own, before any control (vLLM's raw_logprobs)."""
+    scores = logits if controls is None else apply_controls(logits, controls)
+    tokens = argmax_rows(scores)
     wants_logprobs = False
     sampled_rows = []
     for row, p in enumerate(params):
@@ -47,7 +53,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not sampled_rows and not wants_logprobs:  # the common case: one argmax for the whole batch
         return tokens, [None] * len(params)
     if sampled_rows:
-        picked = _sample_rows(logits[sampled_rows], [params[r] for r in sampled_rows],
+        picked = _sample_rows(scores[sampled_rows], [params[r] for r in sampled_rows],
                               [generators[r] for r in sampled_rows])
         for row, token in zip(sampled_rows, picked):
             tokens[row] = token
