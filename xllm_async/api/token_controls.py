@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ..engine.params import TokenControls
-from .fields import Fields, bad, is_int, shown
+from .fields import Fields, bad, shown
 from .model_info import ModelInfo
 
 MAX_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -44,8 +44,7 @@ def used_controls(controls: TokenControls | None) -> list[str]:
 
 
 def _logit_bias(fields: Fields, model: ModelInfo) -> dict[int, float]:
-    """OpenAI's map of token id (a JSON object's keys are strings: "42"; an int key is taken too,
-    as some clients build the body in Python) to a bias in [-100, 100]."""
+    """OpenAI's map of token id (as a JSON object's key, a string: "42") to a bias in [-100, 100]."""
     value = fields.dict("logit_bias")
     if len(value) > model.vocab_size:
         raise bad("logit_bias", f"`logit_bias` names {len(value)} tokens; the vocabulary has {model.vocab_size}")
@@ -64,13 +63,8 @@ def _logit_bias(fields: Fields, model: ModelInfo) -> dict[int, float]:
     return bias
 
 
-def _token_key(key) -> int | None:
-    if is_int(key):
-        return key
-    text = key.strip() if isinstance(key, str) else ""
-    if text.lstrip("-").isdigit() and text.isascii() and len(text) < 20:
-        return int(text)
-    return None
+def _token_key(key: str) -> int | None:
+    return int(key) if key.isascii() and key.isdigit() and len(key) < 20 else None
 
 
 def _allowed(fields: Fields, model: ModelInfo) -> tuple[int, ...] | None:
