@@ -79,12 +79,12 @@ def test_the_batch_step_equals_the_per_row_reference(seed):
         stop_ids = {rng.randrange(vocab), rng.randrange(vocab)}
         states.append(RowControls(controls, prompt, output, frozenset(stop_ids)))
         expected.append(reference_scores(logits[row].tolist(), controls, prompt, output, stop_ids))
-    scores = apply_controls(logits, states)
+    scores = apply_controls(logits.clone(), states)
     torch.testing.assert_close(scores, torch.tensor(expected), rtol=1e-5, atol=1e-4)
     assert torch.equal(scores[[r for r, s in enumerate(states) if s is None]],
                        logits[[r for r, s in enumerate(states) if s is None]])
     greedy = [SamplingParams(temperature=0.0)] * rows
-    tokens, _ = sample(logits, greedy, [None] * rows, states)
+    tokens, _ = sample(logits.clone(), greedy, [None] * rows, states)
     assert tokens == torch.tensor(expected).argmax(-1).tolist()
 
 
@@ -93,7 +93,7 @@ def test_a_longer_bad_word_is_masked_only_after_its_other_tokens():
     logits = torch.zeros(1, 8)
     for output, masked in (([], False), ([3], False), ([4], False), ([3, 4], True), ([1, 3, 4], True),
                            ([3, 4, 1], False)):
-        scores = apply_controls(logits, [RowControls(controls, [0], output, frozenset())])
+        scores = apply_controls(logits.clone(), [RowControls(controls, [0], output, frozenset())])
         assert bool(scores[0, 5] == -INF) is masked, output
         assert int((scores[0] == -INF).sum()) == int(masked)
 
@@ -104,14 +104,14 @@ def test_rows_without_controls_sample_as_in_a_batch_without_any():
     params = SamplingParams(temperature=1.0, seed=42)
     controlled = RowControls(TokenControls(logit_bias={7: 50.0}, repetition_penalty=1.5), [1, 2], [3], frozenset())
     for _ in range(5):
-        plain = sample(logits, [params] * 3, [make_generator(params, torch.device("cpu")) for _ in range(3)])[0]
-        mixed = sample(logits, [params] * 3, [make_generator(params, torch.device("cpu")) for _ in range(3)],
+        plain = sample(logits.clone(), [params] * 3, [make_generator(params, torch.device("cpu")) for _ in range(3)])[0]
+        mixed = sample(logits.clone(), [params] * 3, [make_generator(params, torch.device("cpu")) for _ in range(3)],
                        [None, controlled, None])[0]
         assert [plain[0], plain[2]] == [mixed[0], mixed[2]]
         assert mixed[1] == 7
     # Logprobs stay the model's own (vLLM's raw_logprobs): the bias does not show in them.
     logprobs_params = SamplingParams(temperature=0.0, logprobs=1)
-    _, (lp,) = sample(logits[1:2], [logprobs_params], [None], [controlled])
+    _, (lp,) = sample(logits[1:2].clone(), [logprobs_params], [None], [controlled])
     assert math.isclose(lp.logprob, float(torch.log_softmax(logits[1], -1)[7]), rel_tol=1e-5)
 
 
@@ -177,7 +177,8 @@ def reference_with(reference, prompt: list[int], max_new: int, controls: TokenCo
     with torch.inference_mode():
         out = reference.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                                        dtype=torch.long), max_new_tokens=max_new, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([process]))
+                                       eos_token_id=None, pad_token_id=0,
+                                       logits_processor=LogitsProcessorList([process]))
     return out[0, len(prompt):].tolist()
 
 

@@ -40,16 +40,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Pick one token per row of logits [rows, vocab].
 
     controls: each row's token controls (None for a row without), or None when no row of the batch
-    has any (the batch's one flag: then nothing here costs more than before they existed). The
-    log-probabilities reported are the model's own, before any control (vLLM's raw_logprobs)."""
-    scores = logits if controls is None else apply_controls(logits, controls)
-    tokens = argmax_rows(scores)
+    has any (the batch's one flag: then nothing here costs more than before they existed). They
+    change logits in place (execution/token_controls.py); the log-probabilities reported are the
+    model's own, taken before them (vLLM's raw_logprobs)."""
     wants_logprobs = False
     sampled_rows = []
     for row, p in enumerate(params):
         wants_logprobs |= p.logprobs is not None
         if not p.greedy:
             sampled_rows.append(row)
+    logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    scores = logits if controls is None else apply_controls(logits, controls)
+    tokens = argmax_rows(scores)
     if not sampled_rows and not wants_logprobs:  # the common case: one argmax for the whole batch
         return tokens, [None] * len(params)
     if sampled_rows:
@@ -57,9 +59,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
                               [generators[r] for r in sampled_rows])
         for row, token in zip(sampled_rows, picked):
             tokens[row] = token
-    if not wants_logprobs:
+    if logprobs is None:
         return tokens, [None] * len(params)
-    logprobs = torch.log_softmax(logits, dim=-1)
     out: list[TokenLogprobs | None] = []
     for row, p in enumerate(params):
         if p.logprobs is None:

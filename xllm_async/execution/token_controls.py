@@ -11,6 +11,7 @@ unchanged, so that they sample exactly as they would in a batch without any.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..engine.params import TokenControls
@@ -22,24 +23,41 @@ class RowControls:
     """One request's controls as the sampler needs them each step."""
 
     __slots__ = ("controls", "output_ids", "bias_ids", "bias_values", "allowed", "prompt_ids", "stop_ids",
-                 "banned", "bad_sequences")
+                 "banned", "bad_sequences", "penalized", "_history", "_filled")
 
     def __init__(self, controls: TokenControls, prompt_ids: list[int], output_ids: list[int],
                  stop_ids: frozenset[int]) -> None:
         self.controls = controls
         self.output_ids = output_ids  # the request's own list: it grows as the request appends
         bias = controls.logit_bias
-        self.bias_ids = torch.tensor(list(bias), dtype=torch.long) if bias else None
-        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None
-        self.allowed = (torch.tensor(sorted(set(controls.allowed)), dtype=torch.long)
-                        if controls.allowed is not None else None)
+        self.bias_ids = np.fromiter(bias, np.int64, len(bias)) if bias else None
+        self.bias_values = np.fromiter(bias.values(), np.float32, len(bias)) if bias else None
+        self.allowed = np.unique(np.asarray(controls.allowed, np.int64)) if controls.allowed is not None else None
         # The repetition penalty covers the prompt's tokens: each distinct one, found once here.
-        self.prompt_ids = (torch.tensor(sorted(set(prompt_ids)), dtype=torch.long)
+        self.prompt_ids = (np.unique(np.asarray(prompt_ids, np.int64))
                            if controls.repetition_penalty != 1.0 else None)
         self.stop_ids = sorted(stop_ids)  # masked while the output is shorter than min_tokens
         # A one-token bad word is always masked; a longer one's last token when its others end the output.
         self.banned = sorted({word[0] for word in controls.bad_words if len(word) == 1})
         self.bad_sequences = [(list(word[:-1]), word[-1]) for word in controls.bad_words if len(word) > 1]
+        self.penalized = bool(controls.repetition_penalty != 1.0 or controls.frequency_penalty
+                              or controls.presence_penalty)
+        # The output as an array, extended by the tokens appended since the last step (converting
+        # the whole list every step would cost more than all the rest as outputs grow).
+        self._history = np.empty(64, np.int64)
+        self._filled = 0
+
+    def history(self) -> np.ndarray:
+        """The output's token ids so far."""
+        out, filled = self.output_ids, self._filled
+        if len(out) > filled:
+            if len(out) > len(self._history):
+                grown = np.empty(max(2 * len(self._history), len(out)), np.int64)
+                grown[:filled] = self._history[:filled]
+                self._history = grown
+            self._history[filled:len(out)] = out[filled:]
+            self._filled = len(out)
+        return self._history[:len(out)]
 
     def masked_now(self) -> list[int]:
         """Token ids this step must not choose: one-token bad words, the last token of each longer
@@ -59,68 +77,86 @@ def row_controls(controls: TokenControls | None, prompt_ids: list[int], output_i
     return RowControls(controls, prompt_ids, output_ids, stop_ids) if controls is not None else None
 
 
-def _flat(pieces: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index of each entry, token id of each entry) of [(row, ids), ...]."""
-    ids = torch.cat([t for _, t in pieces])
-    rows = torch.cat([torch.full((len(t),), row, dtype=torch.long) for row, t in pieces])
-    return rows.to(device), ids.to(device)
+class _Entries:
+    """(row, token ids, value per entry) pieces gathered over the rows, made into flat positions
+    (row * vocab + id) and values with one numpy call each, then one tensor each."""
 
+    __slots__ = ("starts", "ids", "values", "counts")
 
-def _per_entry(pieces: list[tuple[int, torch.Tensor]], values: list[float], device: torch.device) -> torch.Tensor:
-    """Each row's value repeated over its entries."""
-    return torch.cat([torch.full((len(t),), v, dtype=torch.float32) for (_, t), v in zip(pieces, values)]).to(device)
+    def __init__(self) -> None:
+        self.starts, self.ids, self.values, self.counts = [], [], [], []
+
+    def add(self, start: int, ids: np.ndarray, value) -> None:
+        """value: one per entry (an array) or one for all of them (a number)."""
+        self.starts.append(start)
+        self.ids.append(ids)
+        self.values.append(value)
+        self.counts.append(len(ids))
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        flat = np.repeat(np.asarray(self.starts, np.int64), self.counts) + np.concatenate(self.ids)
+        return torch.from_numpy(flat).to(device)
+
+    def per_entry(self, device: torch.device) -> torch.Tensor:
+        if isinstance(self.values[0], np.ndarray):
+            values = np.concatenate(self.values)
+        else:
+            values = np.repeat(np.asarray(self.values, np.float32), self.counts)
+        return torch.from_numpy(values).to(device)
 
 
 def apply_controls(logits: torch.Tensor, rows: list[RowControls | None]) -> torch.Tensor:
-    """The scores to choose from: logits [rows, vocab] (float32, copied) with each row's controls
-    applied, in vLLM's order: allowed ids, bad words, min_tokens, logit_bias, then the repetition,
-    frequency and presence penalties. Masked tokens get -inf."""
-    scores = logits.to(torch.float32, copy=True)
-    device = scores.device
-    allowed, banned, biased, repeated, outputs = [], [], [], [], []
-    repetition, frequency, presence = [], [], []
+    """The scores to choose from: logits [rows, vocab] with each row's controls applied, in vLLM's
+    order: allowed ids, bad words, min_tokens, logit_bias, then the repetition, frequency and
+    presence penalties; masked tokens get -inf. In place where logits are float32 (they are the
+    step's own, and a copy of a wide batch's would cost more than the controls); a float32 copy
+    otherwise. Rows without controls keep their values exactly."""
+    scores = logits if logits.dtype == torch.float32 else logits.float()
+    scores = scores.contiguous()
+    flat = scores.view(-1)
+    vocab, device = scores.shape[-1], scores.device
+    allowed, banned, biased, repeated, outputs = _Entries(), _Entries(), _Entries(), _Entries(), _Entries()
+    frequency, allowed_rows = [], []
     for row, c in enumerate(rows):
         if c is None:
             continue
-        k = c.controls
+        start = row * vocab
         if c.allowed is not None:
-            allowed.append((row, c.allowed))
+            allowed.add(start, c.allowed, 0.0)
+            allowed_rows.append(row)
         masked = c.masked_now()
         if masked:
-            banned.append((row, torch.tensor(masked, dtype=torch.long)))
+            banned.add(start, np.asarray(masked, np.int64), 0.0)
         if c.bias_ids is not None:
-            biased.append((row, c.bias_ids, c.bias_values))
-        if k.repetition_penalty != 1.0 or k.frequency_penalty or k.presence_penalty:
-            out = torch.tensor(c.output_ids, dtype=torch.long)
-            if k.repetition_penalty != 1.0:
-                repeated.append((row, torch.cat((c.prompt_ids, out))))
-                repetition.append(k.repetition_penalty)
-            if (k.frequency_penalty or k.presence_penalty) and len(out):
-                outputs.append((row, out))
+            biased.add(start, c.bias_ids, c.bias_values)
+        if c.penalized:
+            k, history = c.controls, c.history()
+            if c.prompt_ids is not None:  # (a repetition penalty: prompt and output tokens)
+                repeated.add(start, c.prompt_ids, k.repetition_penalty)
+                repeated.add(start, history, k.repetition_penalty)
+            if k.presence_penalty or k.frequency_penalty:
+                outputs.add(start, history, k.presence_penalty)
                 frequency.append(k.frequency_penalty)
-                presence.append(k.presence_penalty)
-    if allowed:
-        which = torch.tensor([row for row, _ in allowed], device=device)
-        keep = torch.zeros(len(allowed), scores.shape[-1], dtype=torch.bool, device=device)
-        local, ids = _flat([(i, t) for i, (_, t) in enumerate(allowed)], device)
-        keep[local, ids] = True
-        scores[which] = scores[which].masked_fill(~keep, _NEG_INF)
-    if banned:
-        scores.index_put_(_flat(banned, device), torch.tensor(_NEG_INF, device=device))
-    if biased:
-        pieces = [(row, ids) for row, ids, _ in biased]
-        scores.index_put_(_flat(pieces, device), torch.cat([v for _, _, v in biased]).to(device), accumulate=True)
-    if repeated:
-        # A token seen twice is changed once: every duplicate entry writes the same value, made from the
-        # score before the change.
-        index = _flat(repeated, device)
-        penalty = _per_entry(repeated, repetition, device)
-        seen = scores[index]
-        scores[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    if outputs:
-        index = _flat(outputs, device)
+    if allowed_rows:
+        at = allowed.positions(device)
+        kept = flat.index_select(0, at)
+        scores.index_fill_(0, torch.tensor(allowed_rows, device=device), _NEG_INF)
+        flat.index_copy_(0, at, kept)
+    if banned.ids:
+        flat.index_fill_(0, banned.positions(device), _NEG_INF)
+    if biased.ids:
+        flat.index_add_(0, biased.positions(device), biased.per_entry(device))
+    if repeated.ids:
+        # A token seen twice is changed once: every duplicate entry writes the same value, made from
+        # the score before the change.
+        at, penalty = repeated.positions(device), repeated.per_entry(device)
+        seen = flat.index_select(0, at)
+        flat.index_copy_(0, at, torch.where(seen > 0, seen / penalty, seen * penalty))
+    if sum(outputs.counts):
+        at = outputs.positions(device)
         # presence: once per distinct token (duplicate entries write the same value); frequency: once
-        # per occurrence (accumulated over duplicates).
-        scores[index] = scores[index] - _per_entry(outputs, presence, device)
-        scores.index_put_(index, -_per_entry(outputs, frequency, device), accumulate=True)
+        # per occurrence (added over duplicates).
+        flat.index_copy_(0, at, flat.index_select(0, at) - outputs.per_entry(device))
+        outputs.values = frequency
+        flat.index_add_(0, at, -outputs.per_entry(device))
     return scores
