@@ -4,10 +4,10 @@ With no row of a batch setting any control, GenerationBatch passes controls=None
 must cost what it cost before (issue 46's target: unchanged, A/B within noise). This loads the
 sampler of an earlier revision (--before, default the merge base with main) from git beside the
 current one and times both on the same logits, interleaved over rounds, at SmolLM2's vocabulary
-(49,152) for 1 and 32 rows, greedy and sampled (temperature 0.8, seeded; no top_p, whose sort of the
+(49,152) for 1, 8 and 32 rows, greedy and sampled (temperature 0.8, seeded; no top_p, whose sort of the
 vocabulary would dwarf every other cost: it is the same code before and after). For scale it
 also times the current sampler with penalties and a logit_bias on every row (prompts of 256
-tokens, 64 generated), a copy of the logits included.
+tokens, 64 generated).
 
     .venv/bin/python perf/experiments/sampler_controls.py --rounds 7
 """
@@ -46,23 +46,21 @@ def sampler_at(revision: str) -> types.ModuleType:
     return module
 
 
-def with_copy(sample, logits, *args):
-    return sample(logits.clone(), *args)
-
-
 def merge_base() -> str:
     return subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True, capture_output=True,
                           text=True).stdout.strip()
 
 
-def timed(call, repeat: int) -> float:
-    """Median microseconds of one call, over `repeat` calls."""
-    times = []
+def timed(cases: dict, repeat: int) -> dict[str, float]:
+    """Median microseconds of one call of each case, over `repeat` calls each, the cases taking
+    turns call by call (so that a busy moment of the machine falls on all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+        for name, call in cases.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1e6 for name, values in times.items()}
 
 
 def main() -> None:
@@ -85,8 +83,9 @@ def main() -> None:
                              repetition_penalty=1.2)
     results: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
-        for rows in (1, 32):
+        for rows in (1, 8, 32):
             logits = torch.randn(rows, VOCAB, generator=rng) * 4
+            controlled = logits.clone()  # (the controls change it in place)
             prompt = torch.randint(0, VOCAB, (256,), generator=rng).tolist()
             output = torch.randint(0, VOCAB, (64,), generator=rng).tolist()
             states = [RowControls(controls, prompt, output, frozenset({2})) for _ in range(rows)]
@@ -96,14 +95,14 @@ def main() -> None:
                 cases = {
                     "before": partial(before.sample, logits, plist, gens[0]),
                     "after, none set": partial(after.sample, logits, plist, gens[1], None),
-                    # (They change the logits in place: each call gets a copy, its cost counted.)
-                    "after, penalties + bias, all rows": partial(with_copy, after.sample, logits, plist, gens[2],
-                                                                 states),
+                    # (They change these logits in place, call after call: the same work each time, no copy.)
+                    "after, penalties + bias, all rows": partial(after.sample, controlled, plist, gens[2], states),
                 }
-                repeat = args.repeat if kind == "greedy" else max(3, args.repeat // 5)  # (a sampled step is slow)
-                for name, call in cases.items():
+                repeat = args.repeat if kind == "greedy" else max(5, args.repeat // 3)  # (a sampled step is slow)
+                for call in cases.values():
                     call()  # warm
-                    results.setdefault((rows, kind, name), []).append(timed(call, repeat))
+                for name, micros in timed(cases, repeat).items():
+                    results.setdefault((rows, kind, name), []).append(micros)
     print(f"{'rows':>4} {'kind':<8} {'case':<38} {'median us':>10} {'min..max of rounds':>20}")
     for (rows, kind, name), values in results.items():
         print(f"{rows:>4} {kind:<8} {name:<38} {statistics.median(values):>10.1f} "
