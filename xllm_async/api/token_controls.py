@@ -29,7 +29,7 @@ def token_controls(fields: Fields, model: ModelInfo, max_tokens: int) -> TokenCo
         frequency_penalty=fields.float("frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         repetition_penalty=_repetition_penalty(fields),
     )
-    return controls if controls.any else None
+    return controls if controls.active else None
 
 
 def used_controls(controls: TokenControls | None) -> list[str]:

@@ -69,7 +69,7 @@ class TokenControls:
         self.repetition_penalty = repetition_penalty
 
     @property
-    def any(self) -> bool:
+    def active(self) -> bool:
         return bool(self.logit_bias or self.allowed is not None or self.bad_words or self.min_tokens
                     or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 

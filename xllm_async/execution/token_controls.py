@@ -2,11 +2,12 @@
 applied to a batch's logits at once, with vLLM's semantics and order.
 
 Each request that sets any of them gets a RowControls at admission (prepare.py): its fixed parts
-as tensors (bias ids and values, allowed ids, its prompt's distinct tokens) and a reference to its
-growing output. Every step, apply_controls gathers the rows' index lists into a few flat tensors
-and changes the scores with one scatter or gather per kind of control: Python runs once per
-controlled row (and per bad word), never over the vocabulary. Rows without controls are copied
-unchanged, so that they sample exactly as they would in a batch without any.
+as arrays (bias ids and values, allowed ids, its prompt's distinct tokens) and its growing output,
+kept as an array one new token a step. Every step, apply_controls gathers the rows' index lists
+into one flat position tensor per kind of control (numpy builds them) and changes the scores with
+one index op per kind: Python runs once per controlled row (and per bad word), never over the
+vocabulary. Rows without controls keep their values exactly, so that they sample as they would
+in a batch without any.
 """
 
 from __future__ import annotations
