@@ -107,6 +107,13 @@ PROMPT = st.one_of(
     st.just("x" * 20_000), WRONG)
 STOP = st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(max_size=4), max_size=MAX_STOP_STRINGS + 1), WRONG)
 TOKEN_LIST = st.one_of(st.lists(TOKEN, max_size=5), st.just(list(range(2000))), WRONG)
+# logit_bias: token ids as a JSON object's keys (in range, past it, not numbers) to biases in [-100, 100]
+# and past them; also a map of a good part of the vocabulary.
+BIAS_KEY = st.one_of(TOKEN.map(str), st.sampled_from(["-1", str(VOCAB), "1e3", " 5", "x", "", "٣"]))
+LOGIT_BIAS = st.one_of(st.dictionaries(BIAS_KEY, floats(-100.0, 100.0, st.sampled_from([-100, 5, 100])), max_size=5),
+                       st.just({str(t): 1 for t in range(0, VOCAB, 7)}), WRONG)
+BAD_WORDS = st.one_of(st.lists(st.one_of(st.text(max_size=6), UNICODE, WRONG), max_size=5),
+                      st.just(["x"] * 129), st.just(["word " * 300]), WRONG)
 
 
 def unsupported(behaviour) -> st.SearchStrategy:
@@ -167,6 +174,14 @@ COMMON = {
     "use_beam_search": bools(),
     "length_penalty": floats(-1e6, 1e6, st.sampled_from([1.0, 0.5])),
     "return_tokens_as_token_ids": bools(),
+    # The token controls (api/token_controls.py)
+    "logit_bias": LOGIT_BIAS,
+    "allowed_token_ids": TOKEN_LIST,
+    "bad_words": BAD_WORDS,
+    "min_tokens": ints(0, TINY_CONTEXT, st.integers(0, 4)),
+    "presence_penalty": floats(-2.0, 2.0, st.sampled_from([-2.0, 0.0, 1.0])),
+    "frequency_penalty": floats(-2.0, 2.0, st.sampled_from([0.0, 0.5, 2.0])),
+    "repetition_penalty": floats(0.0, 3.0, st.sampled_from([0.5, 1.0, 1.3])),
 }
 COMPLETION_FIELDS = {
     **COMMON,
@@ -351,6 +366,10 @@ def test_any_body_gets_200_or_a_4xx_and_the_canary_its_answer(fuzzed, canary, pa
     @example(body={"prompt": "Hello", "max_tokens": 5, "n": 2, "seed": (1 << 64) - 1, "temperature": 0.7})
     @example(body={"prompt": [1], "beam_width": 128, "max_tokens": 8191})
     @example(body={"prompt": [1], "beam_width": 2, "exclude_item_ids": ["a", 7]})
+    # Token controls at their extremes: scores overflowing to inf, a row with every token masked.
+    @example(body={"prompt": [1, 2], "repetition_penalty": 5e-324, "temperature": 0.7, "max_tokens": 3})
+    @example(body={"prompt": "a b", "allowed_token_ids": [264], "bad_words": [" a", "a"], "n": 2, "temperature": 1.0,
+                   "max_tokens": 3, "min_tokens": 3, "stop_token_ids": [264]})
     def run(body):
         sent.append(1)
         payload = encode(body)

@@ -11,6 +11,7 @@ from .field_table import check_fields
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo
 from .prompts import chat_prompt, completion_prompts
+from .token_controls import token_controls, used_controls
 from .vllm_beams import read_use_beam_search
 
 MAX_LOGPROBS = 20
@@ -163,6 +164,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         ignore_eos=fields.bool("ignore_eos", False),
         logprobs=logprobs,
         include_stop=fields.bool("include_stop_str_in_output", False),
+        controls=token_controls(fields, model, max_tokens),
     )
     stream = fields.bool("stream", False)
     options = Fields(fields.dict("stream_options"))
@@ -252,3 +254,7 @@ def _check_beam_fields(fields: Fields, params: SamplingParams) -> None:
                        ("logprobs", params.logprobs is not None)):
         if used:
             raise bad(name, f"`{name}` does not apply to a beam search; leave it out")
+    controls = used_controls(params.controls)
+    if controls:  # (a beam ranks by the model's log-probabilities, as temperature 1 does)
+        raise bad(controls[0], f"`{controls[0]}` is not supported with a beam search (`beam_width`) on this "
+                               "server; leave it out")

@@ -58,13 +58,14 @@ class QueuedRequest:
 class EngineRequest(QueuedRequest):
     """A prompt, its sampling parameters and its generation state."""
 
-    __slots__ = ("params", "generator", "output_ids", "text", "prompt_scores", "_sent", "_detok", "_hold", "_eos",
-                 "_max_len")
+    __slots__ = ("params", "generator", "controls", "output_ids", "text", "prompt_scores", "_sent", "_detok", "_hold",
+                 "_eos", "_max_len", "_stop_floor")
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         super().__init__(index, prompt_ids, sink)
         self.params = params
         self.generator = None
+        self.controls = None  # with params.controls: their per-row state for the sampler (execution/token_controls.py)
         self.output_ids: list[int] = []
         self.text = ""
         self.prompt_scores = None  # with params.prompt_logprobs: PromptScores, set by the prefill
@@ -74,6 +75,9 @@ class EngineRequest(QueuedRequest):
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._eos: frozenset[int] = frozenset()
         self._max_len = 0
+        # The text made before min_tokens tokens: a stop string must end past it (as vLLM honours
+        # no stop string before min_tokens; the sampler masks stop tokens until then).
+        self._stop_floor = 0
 
     @property
     def max_steps(self) -> int:
@@ -113,7 +117,10 @@ class EngineRequest(QueuedRequest):
             self.text += self._detok.flush()
         else:
             self.text += self._detok.push(token)
-            if params.stop and self._cut_at_stop_string():
+            early = len(self.output_ids) < params.min_tokens
+            if early:
+                self._stop_floor = len(self.text)
+            if params.stop and not early and self._cut_at_stop_string():
                 self.finish_reason = "stop"
             elif (len(self.output_ids) >= params.max_tokens
                   or len(self.prompt_ids) + len(self.output_ids) >= self._max_len):
@@ -127,9 +134,9 @@ class EngineRequest(QueuedRequest):
         return Delta(self.index, text, token, logprobs, self.finish_reason)
 
     def _cut_at_stop_string(self) -> bool:
-        # A new stop string can only start in the text not yet handed out.
+        # A new stop string can only start in the text not yet handed out, and must end past _stop_floor.
         for stop in self.params.stop:
-            at = self.text.find(stop, self._sent)
+            at = self.text.find(stop, max(self._sent, self._stop_floor - len(stop) + 1))
             if at != -1:
                 self.text = self.text[:at + len(stop) if self.params.include_stop else at]
                 return True

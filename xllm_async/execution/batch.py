@@ -53,7 +53,7 @@ class GenerationBatch(Batch):
     is turned into state here, where a failure would fail the whole batch.
     """
 
-    __slots__ = ("runner", "requests", "kv", "between_layers", "_next_tokens", "_metrics")
+    __slots__ = ("runner", "requests", "kv", "between_layers", "_next_tokens", "_metrics", "_controlled")
     joinable = True
 
     def __init__(self, runner: Runner, requests: list[EngineRequest], metrics=None,
@@ -64,6 +64,7 @@ class GenerationBatch(Batch):
         self.between_layers = between_layers  # handed to every forward (StepLoop.run's cores)
         self._next_tokens: list[int] = []
         self._metrics = metrics
+        self._controlled = False  # whether any row has token controls (the sampler's one flag)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -103,6 +104,7 @@ class GenerationBatch(Batch):
             req.cached_tokens = tokens
         if into is not None:
             self.requests = self.requests + requests
+        self._controlled = any(r.controls is not None for r in self.requests)
         items = self._advance(logits, first)
         if self._metrics is not None:
             self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items), cached)
@@ -126,7 +128,8 @@ class GenerationBatch(Batch):
     def _advance(self, logits, first: int = 0) -> Items:
         """Sample the next token of rows first.. (their logits in order) and hand them out."""
         requests = self.requests[first:]
-        tokens, logprobs = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        controls = [r.controls for r in requests] if self._controlled else None
+        tokens, logprobs = sample(logits, [r.params for r in requests], [r.generator for r in requests], controls)
         items = []
         for row, req in enumerate(requests):
             items.append((req, req.append(tokens[row], logprobs[row])))
@@ -139,6 +142,7 @@ class GenerationBatch(Batch):
     def _keep(self, rows: list[int]) -> None:
         self.requests = [self.requests[i] for i in rows]
         self._next_tokens = [self._next_tokens[i] for i in rows]
+        self._controlled = self._controlled and any(r.controls is not None for r in self.requests)
         if rows and self.kv is not None:
             self.kv.select(rows)
 

@@ -9,15 +9,19 @@ import contextlib
 from ..engine.request import EngineRequest, QueuedRequest
 from .detokenizer import IncrementalDetokenizer
 from .sampling import make_generator
+from .token_controls import row_controls
 
 
 def prepare(runner, request: QueuedRequest) -> None:
     """Build what stepping the request needs from its own fields, before it joins a batch
     (Engine.submit, on the loop): a generation request's detokenizer and its own random generator
-    (seeded from its `seed`); a beam search needs nothing."""
+    (seeded from its `seed`) and its token controls' tensors; a beam search needs nothing."""
     if isinstance(request, EngineRequest):
+        params = request.params
         request.bind(IncrementalDetokenizer(runner.tokenizer), runner.eos_token_ids, runner.max_model_len)
-        request.generator = make_generator(request.params, runner.device, request.index)
+        request.generator = make_generator(params, runner.device, request.index)
+        stop_ids = params.stop_token_ids if params.ignore_eos else runner.eos_token_ids | params.stop_token_ids
+        request.controls = row_controls(params.controls, request.prompt_ids, request.output_ids, stop_ids)
 
 
 _NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)

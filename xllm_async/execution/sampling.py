@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from ..engine.params import SEED_SPACE, SamplingParams, TokenLogprobs
+from .token_controls import RowControls, apply_controls
 
 
 def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:
@@ -34,26 +35,32 @@ def argmax_rows(scores: torch.Tensor) -> list[int]:
     return scores.argmax(dim=-1).tolist()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row of logits [rows, vocab]."""
-    tokens = argmax_rows(logits)
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           controls: list[RowControls | None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row of logits [rows, vocab].
+
+    controls: each row's token controls (None for a row without), or None when no row of the batch
+    has any (the batch's one flag: then nothing here costs more than before they existed). They
+    change logits in place (execution/token_controls.py); the log-probabilities reported are the
+    model's own, taken before them (vLLM's raw_logprobs)."""
     wants_logprobs = False
     sampled_rows = []
     for row, p in enumerate(params):
         wants_logprobs |= p.logprobs is not None
         if not p.greedy:
             sampled_rows.append(row)
+    logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    scores = logits if controls is None else apply_controls(logits, controls)
+    tokens = argmax_rows(scores)
     if not sampled_rows and not wants_logprobs:  # the common case: one argmax for the whole batch
         return tokens, [None] * len(params)
     if sampled_rows:
-        picked = _sample_rows(logits[sampled_rows], [params[r] for r in sampled_rows],
+        picked = _sample_rows(scores[sampled_rows], [params[r] for r in sampled_rows],
                               [generators[r] for r in sampled_rows])
         for row, token in zip(sampled_rows, picked):
             tokens[row] = token
-    if not wants_logprobs:
+    if logprobs is None:
         return tokens, [None] * len(params)
-    logprobs = torch.log_softmax(logits, dim=-1)
     out: list[TokenLogprobs | None] = []
     for row, p in enumerate(params):
         if p.logprobs is None:
