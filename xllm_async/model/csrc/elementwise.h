@@ -145,8 +145,8 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 #endif
 }
 
-// The operators (cpu_kernels.cpp registers them): x and out [rows, width], or [rows, heads, width]
-// for rms_norm and rope.
+// The operators (cpu_kernels.cpp registers them): rms_norm's x [rows, width] or [rows, heads,
+// width], rope's [rows, heads, width], add_rms_norm's and silu_mul's [rows, width].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // rms_norm.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);  // rms_norm.cpp
