@@ -1,17 +1,20 @@
 """Our fused CPU kernels (csrc/*.cpp), bfloat16 and float32, each one pass over memory where the
 eager code makes four to eight (a bfloat16 prefill spent half its time in such passes: perf/RESULTS.md,
 "Offline, the ceiling and the server's own cost"):
-- elementwise: RMSNorm, residual add + RMSNorm, rotary embedding (after Qwen3's per-head norm),
-  SiLU x up (cpu_kernels.cpp);
-- attention: causal attention over a whole batch of packed prompts in one call and a beam round's
-  prompt stage (varlen_attention.cpp: AMX tiles where the CPU has them, AVX512-BF16 dot products
-  elsewhere); a decode step's attention in one call (decode_attention.cpp);
+- elementwise: RMSNorm, residual add + RMSNorm (rms_norm.cpp), rotary embedding after Qwen3's
+  per-head norm (rope.cpp), SiLU x up (silu_mul.cpp), sharing elementwise.h; cpu_kernels.cpp
+  registers them and holds the library's TORCH_LIBRARY(xllm);
+- attention: causal attention over a whole batch of packed prompts in one call
+  (varlen_attention.cpp), the same after a cached prefix (cached_attention.cpp) and a beam round's
+  prompt stage (prefix_attention.cpp), all on the blocks of attention_*.h (AMX tiles where the CPU
+  has them, AVX512-BF16 dot products elsewhere); a decode step's attention in one call
+  (decode_attention.cpp);
 - a beam round's top k with its log-sum-exp (beam_topk.cpp);
 - the linear layers and the LM head of small-row steps (linear.cpp: AMX, else AVX512-BF16; float32
   on AVX512 FMAs);
-- the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI, a prompt's rows on
-  AMX's bfloat16 tiles where the CPU has them; model/quantized.py checks it against its reference
-  arithmetic and calls it).
+- the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI; a prompt's rows on
+  AMX's bfloat16 tiles where the CPU has them, quant_widened.cpp; model/quantized.py checks it
+  against its reference arithmetic and calls it).
 
 `make install` builds the library with the machine's own compiler (`python -m
 xllm_async.model.cpu_kernels`) for the CPU it runs on; a server that finds none for its CPU
@@ -36,7 +39,8 @@ import torch
 log = logging.getLogger("xllm_async.cpu_kernels")
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-# Every source there goes into the one library: the attention, beam top-k, decode attention and
+# Every source there goes into the one library (the headers they share go into library_path's
+# digest, so that a change to one rebuilds it): the attention, beam top-k, decode attention and
 # linear operators exist only on CPUs with AVX512-BF16 (the prefill attention and the linear on AMX
 # where the CPU has it; the quantized linear where it has AVX512-VNNI too).
 SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp")))
@@ -252,7 +256,7 @@ def varlen_attention():
 
 
 def cached_attention():
-    """Our packed causal attention for prompts after a cached prefix (csrc/varlen_attention.cpp:
+    """Our packed causal attention for prompts after a cached prefix (csrc/cached_attention.cpp:
     their keys read from their cache rows) once loaded, or None."""
     return _cached if _loaded else None
 
@@ -268,7 +272,7 @@ def decode_attention():
 
 
 def prefix_attention():
-    """Our beam-round prompt-stage attention (csrc/varlen_attention.cpp) once loaded, or None."""
+    """Our beam-round prompt-stage attention (csrc/prefix_attention.cpp) once loaded, or None."""
     return _prefix if _loaded else None
 
 

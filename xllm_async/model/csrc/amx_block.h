@@ -1,7 +1,7 @@
 // One block product on AMX's bfloat16 tiles, through torch's brgemm micro-kernel (oneDNN's), for
 // blocked_linear.h's loop: rows of activations times a block of 64 packed columns ([K/2][64][2]
 // bfloat16, the pairs a tile multiplies), + bias, rounded to bfloat16. linear.cpp runs its packed
-// weights through it; quant_linear.cpp runs blocks it has just widened from GGUF's quantized ones.
+// weights through it; quant_widened.cpp runs blocks it has just widened from GGUF's quantized ones.
 // Include only under #if defined(__AMX_BF16__).
 
 #pragma once

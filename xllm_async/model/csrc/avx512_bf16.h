@@ -1,4 +1,4 @@
-// 16-lane float32 helpers for the kernels' AVX512-BF16 paths (cpu_kernels.cpp, varlen_attention.cpp).
+// 16-lane float32 helpers for the kernels' AVX512-BF16 paths (elementwise, attention, linear).
 // Include only under #if defined(__AVX512BF16__).
 //
 // bfloat16 values are raw uint16_t in memory, as in the kernels' scalar code; here 16 of them at
@@ -32,7 +32,7 @@ inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
 
-// exp (Cephes' expf, as vector_exp in cpu_kernels.cpp): 2^n times a degree-6 polynomial of the
+// exp (Cephes' expf, as vector_exp in silu_mul.cpp): 2^n times a degree-6 polynomial of the
 // remainder |r| <= ln2/2; 2^n by scalef, so large x reaches inf and very negative x 0 as in torch.
 inline __m512 exp(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));

@@ -1,7 +1,7 @@
 // The loop of our blocked linears over packed weights: rows in blocks of 32, columns in blocks of
 // 64, a chunk of column blocks kept in a thread's L2 while every row block passes it, and the
 // threads sharing out rows or columns. linear.cpp runs its packed weights through it;
-// quant_linear.cpp runs GGUF blocks it widens to bfloat16 a chunk at a time.
+// quant_widened.cpp runs GGUF blocks it widens to bfloat16 a chunk at a time.
 
 #pragma once
 
