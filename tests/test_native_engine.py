@@ -42,7 +42,8 @@ def reference_logits(reference, sequence: list[int]) -> torch.Tensor:
 def test_packed_prefill_and_decode_equal_transformers_on_mixed_lengths(native, reference):
     prompts = random_prompts(11, [3, 40, 1, 17, 17, 17, 64])
     with torch.inference_mode():
-        logits, kv = native.prefill(prompts, capacity=80)
+        prefilled = native.prefill(prompts, capacity=80)
+        logits, kv = prefilled.logits, prefilled.cache
         sequences = [list(p) for p in prompts]
         for step in range(3):
             for row, seq in enumerate(sequences):
@@ -67,8 +68,9 @@ def test_prompt_scores_are_the_models_log_probabilities_of_each_next_token(engin
     prompts = random_prompts(12, [5, 40, 1, 17, 2])
     scored = [3, None, 0, 0, 20]  # scored and plain rows mixed, a one-token prompt among them
     with torch.inference_mode():
-        plain, _ = runner.prefill(prompts, capacity=60)
-        logits, kv, scores = runner.prefill_scored(prompts, 60, None, scored)
+        plain = runner.prefill(prompts, capacity=60).logits
+        prefilled = runner.prefill_scored(prompts, 60, None, scored)
+        logits, kv, scores = prefilled.logits, prefilled.cache, prefilled.scores
         torch.testing.assert_close(logits, plain, atol=2e-4, rtol=2e-4)  # the next token's logits as ever
         assert kv is not None and scores[1] is None
         for prompt, top, score in zip(prompts, scored, scores):
@@ -85,18 +87,20 @@ def test_prompt_scores_are_the_models_log_probabilities_of_each_next_token(engin
                 assert [v for _, v in score.top[position]] == pytest.approx(row.topk(top).values.tolist(), abs=2e-4)
         # The cache holds the prompts as prefill's does: decoding from it gives the same logits.
         tokens = logits.argmax(-1).tolist()
-        torch.testing.assert_close(runner.decode(kv, tokens), runner.decode(runner.prefill(prompts, 60)[1], tokens),
+        torch.testing.assert_close(runner.decode(kv, tokens), runner.decode(runner.prefill(prompts, 60).cache, tokens),
                                    atol=2e-4, rtol=2e-4)
 
 
 def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
     first, second = random_prompts(12, [5, 9]), random_prompts(13, [30, 2, 12])
     with torch.inference_mode():
-        logits, kv = native.prefill(first, capacity=12)
+        prefilled = native.prefill(first, capacity=12)
+        logits, kv = prefilled.logits, prefilled.cache
         tokens = logits.argmax(-1).tolist()
         sequences = [p + [t] for p, t in zip(first, tokens)]
         logits = native.decode(kv, tokens)
-        joined, kv2 = native.prefill(second, capacity=40, into=kv)  # wider and more rows: the cache reshapes
+        prefilled = native.prefill(second, capacity=40, into=kv)  # wider and more rows: the cache reshapes
+        joined, kv2 = prefilled.logits, prefilled.cache
         assert kv2 is kv and kv.rows == 5 and kv.capacity >= 40
         tokens = logits.argmax(-1).tolist() + joined.argmax(-1).tolist()
         sequences = [s + [t] for s, t in zip(sequences, tokens[:2])] + [p + [t] for p, t in zip(second, tokens[2:])]
@@ -235,7 +239,7 @@ def test_beam_caches_come_out_of_the_slots_arena(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
     runner.set_kv_cache(runner.kv_layout.token_bytes * 300, 1)
     with torch.inference_mode():
-        _, state = runner.beam_prefill([[1] * 20, [2] * 30], [16, 8], 5)
+        state = runner.beam_prefill([[1] * 20, [2] * 30], [16, 8], 5).state
         buffer = runner._arena()._buffer
         assert state.own.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         # After the prompts' 2 x 30 tokens: 24 beams x 4 rounds.
@@ -395,7 +399,8 @@ def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(t
 
     def greedy(batch: list[list[int]], steps: int = 12) -> list[list[int]]:
         with torch.inference_mode():
-            logits, kv = runner.prefill(batch, max(map(len, batch)) + steps)
+            prefilled = runner.prefill(batch, max(map(len, batch)) + steps)
+            logits, kv = prefilled.logits, prefilled.cache
             out = [[t] for t in logits.argmax(-1).tolist()]
             for _ in range(steps - 1):
                 logits = runner.decode(kv, [seq[-1] for seq in out])
@@ -442,7 +447,8 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
 
     def greedy(batch: list[list[int]], steps: int = 3) -> list[list[int]]:
         with torch.inference_mode():
-            logits, kv = runner.prefill(batch, max(map(len, batch)) + steps)
+            prefilled = runner.prefill(batch, max(map(len, batch)) + steps)
+            logits, kv = prefilled.logits, prefilled.cache
             assert logits.shape[0] == len(batch)
             out = [[t] for t in logits.argmax(-1).tolist()]
             for _ in range(steps - 1):
