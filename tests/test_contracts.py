@@ -14,6 +14,15 @@ import pytest
 import torch
 
 from xllm_async.execution.runner import BeamPrefilled, Prefilled, Runner
+from xllm_async.model.attention_backends import (
+    AttentionBackend,
+    CpuKernelAttention,
+    CudaFlashAttention,
+    MaskedSdpaAttention,
+    SdpaAttention,
+)
+from xllm_async.model.flash_varlen import FlashVarlen
+from xllm_async.runtime.backends import choose_attention
 from xllm_async.runtime.hf_runner import TransformersRunner
 from xllm_async.runtime.model_runner import ModelRunner
 
@@ -120,3 +129,74 @@ def test_prefills_answer_with_their_result_objects_and_beam_rows_are_what_the_ru
         assert torch.equal(runner.logits(beams.hidden, columns=(3, 9)), beams.hidden[:, 3:9])
     else:  # final hidden states, which the LM head turns into logits
         assert beams.hidden.shape[1] != runner.vocab_size
+
+
+# --- attention backends (model/attention_backends.py) ---
+
+
+def all_backends() -> set[type]:
+    found, todo = set(), [AttentionBackend]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("xllm_async.") and sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def test_every_backend_implements_the_contract_with_its_signatures():
+    backends = all_backends()
+    assert {SdpaAttention, CpuKernelAttention, MaskedSdpaAttention, CudaFlashAttention} <= backends
+    wrong = []
+    for cls in sorted(backends, key=lambda c: c.__name__):
+        if inspect.isabstract(cls):
+            wrong.append(f"{cls.__name__}: leaves {sorted(cls.__abstractmethods__)} unimplemented")
+        for name in sorted(AttentionBackend.__abstractmethods__):
+            wrong += [f"{cls.__name__}.{name}: {p}"
+                      for p in signature_problems(getattr(AttentionBackend, name), getattr(cls, name))]
+    assert not wrong, "\n".join(wrong)
+
+
+def cpu_backends(runner) -> dict[type, AttentionBackend]:
+    """One of every backend, made to run on a CPU (the CUDA one with its flash kernel off: its
+    prefill then serves as its base class's)."""
+    shape = runner.model.shape
+    flash = FlashVarlen()
+    flash.fn = None
+    made = {SdpaAttention: SdpaAttention(runner.dtype), MaskedSdpaAttention: MaskedSdpaAttention(runner.dtype),
+            CudaFlashAttention: CudaFlashAttention(runner.dtype, flash)}
+    ours = choose_attention(runner.device, runner.dtype, shape.head_dim, shape.heads // shape.kv_heads)
+    if isinstance(ours, CpuKernelAttention):
+        made[CpuKernelAttention] = ours
+    return made
+
+
+def run_every_kind_of_forward(runner) -> list[torch.Tensor]:
+    """A prefill, two decode steps and a beam search's prefill and round: every question a backend answers."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]]
+    with torch.inference_mode():
+        out = runner.prefill(prompts, capacity=16)
+        found = [out.logits]
+        for _ in range(2):
+            found.append(runner.decode(out.cache, found[-1].argmax(-1).tolist()))
+        beams = runner.beam_prefill(prompts, [2, 2, 2], 2)
+        found.append(runner.logits(beams.hidden))
+        round_one = runner.beam_decode(beams.state, [10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 2, 2], [2, 2, 2])
+        found.append(runner.logits(round_one))
+    return found
+
+
+def test_every_backend_answers_every_question_as_torchs_kernels_do(loaded):
+    runner = loaded[ModelRunner]
+    chosen = runner.attention
+    made = cpu_backends(runner)
+    assert all(isinstance(b.needs_cu_lengths, bool) for b in made.values())  # (declared on the contract)
+    try:
+        runner.attention = made[SdpaAttention]
+        expected = run_every_kind_of_forward(runner)
+        for cls, backend in made.items():
+            runner.attention = backend
+            for want, got in zip(expected, run_every_kind_of_forward(runner)):
+                torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=lambda m, c=cls: f"{c.__name__}: {m}")
+    finally:
+        runner.attention = chosen

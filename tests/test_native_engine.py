@@ -478,7 +478,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
     rows come out as unpadded attention computes them."""
     import torch.nn.functional as F
 
-    from xllm_async.model import attention, attention_backends
+    from xllm_async.model import attention_backends, forward_context
 
     spans: list[tuple[int, int]] = []  # (queries, keys) of every kernel call
     sdpa, flash = F.scaled_dot_product_attention, attention_backends.FLASH_CPU
@@ -505,7 +505,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
         return torch.randn(*shape, generator=gen).bfloat16()
 
     q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
-    out = attention.PackedPrefill(torch_kernels, lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
+    out = forward_context.PackedPrefill(torch_kernels, lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
     assert spans and all(n % attention_backends.ATTENTION_MULTIPLE == 0 for call in spans for n in call)
     start = 0
     for n in lengths:  # each sequence against float32 attention of its own tokens
@@ -525,7 +525,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
 
     spans.clear()  # float32 takes the kernel's other path: exact lengths
     float32 = attention_backends.SdpaAttention(torch.float32, flash=spy_flash)
-    attention.PackedPrefill(float32, lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(),
+    forward_context.PackedPrefill(float32, lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(),
                                                                           dim ** -0.5)
     assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
 
@@ -544,7 +544,7 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
     it off for good, with one warning, and the packed prompts' SDPA calls answer instead. Once,
     any failure turned it off for the whole process. (torch's function replaced by a stand-in:
     it runs only on CUDA.)"""
-    from xllm_async.model import attention, attention_backends
+    from xllm_async.model import attention_backends, flash_varlen, forward_context
 
     failures = iter([torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                      RuntimeError("CUDA error: an illegal memory access was encountered"), refusal])
@@ -557,12 +557,12 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
             raise failure
         return torch.zeros_like(q)
 
-    flash = attention_backends.FlashVarlen()
+    flash = flash_varlen.FlashVarlen()
     flash.fn, flash.extra, flash.gqa, flash.scale = stand_in, {}, True, True
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(11, 2, 16, generator=gen) for _ in range(3))
     # (CPU tensors stand in for CUDA ones)
-    prefill = attention.PackedPrefill(attention_backends.CudaFlashAttention(torch.float32, flash), [5, 6],
+    prefill = forward_context.PackedPrefill(attention_backends.CudaFlashAttention(torch.float32, flash), [5, 6],
                                       torch.device("cpu"))
     assert prefill.cu_lengths.tolist() == [0, 5, 11]
     with pytest.raises(torch.OutOfMemoryError):
@@ -575,7 +575,7 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
     assert flash.fn is None and caplog.text.count("varlen flash attention unusable") == 1
     assert len(calls) == 3 and out.abs().sum() > 0  # SDPA's answer, not the stand-in's zeros
     assert torch.equal(prefill.attend(0, q, k, v, 0.25), out) and len(calls) == 3  # off for good
-    assert not attention_backends.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
+    assert not flash_varlen.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
 
 
 def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monkeypatch):
@@ -609,6 +609,7 @@ def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_
     prefills in bfloat16 and float16."""
     from xllm_async.model import attention_backends as backends
     from xllm_async.model import cpu_kernels
+    from xllm_async.model.flash_varlen import FlashVarlen
     from xllm_async.runtime.backends import choose_attention
 
     cpu = torch.device("cpu")
@@ -623,5 +624,5 @@ def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_
     for device in (torch.device("cuda", 0), torch.device("meta")):  # (chosen, not run; meta stands in for an NPU)
         assert type(choose_attention(device, torch.float32, 64, 3)) is backends.MaskedSdpaAttention
     flash = choose_attention(torch.device("cuda", 0), torch.bfloat16, 64, 3)
-    wanted = backends.CudaFlashAttention if backends.FlashVarlen().fn is not None else backends.MaskedSdpaAttention
+    wanted = backends.CudaFlashAttention if FlashVarlen().fn is not None else backends.MaskedSdpaAttention
     assert type(flash) is wanted and flash.multiple == 1

@@ -2,7 +2,7 @@
 found by a wide beam, every request running exactly its number of rounds.
 
 A beam request prefills its prompt once and keeps that cache once; its beams keep only their own
-tokens (the runner's beam calls, model/attention.py's BeamDecode). Each round: final hidden states
+tokens (the runner's beam calls, model/forward_context.py's BeamDecode). Each round: final hidden states
 -> logits -> log-probabilities -> the best beam_width (beam, token) continuations by cumulative
 log-probability -> the beams' own caches follow their parents. EOS is an ordinary token here: item ids
 have a fixed length, so every request runs its rounds to the end.

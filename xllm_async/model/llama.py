@@ -3,7 +3,7 @@
 They differ in three switches: Qwen2 has biases on q/k/v, Qwen3 normalises
 each head's queries and keys, Llama may have biases anywhere. Everything else
 (fused QKV, fused gate/up, rotary halves, RMSNorm, tied embeddings) is shared.
-A forward takes packed token rows and an attention context (attention.py)
+A forward takes packed token rows and a forward context (forward_context.py)
 and returns the final hidden states of the rows that need logits; the LM head
 is a separate call so that beam search can compute only the tokens it may take.
 """

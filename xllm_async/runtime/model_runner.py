@@ -22,8 +22,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..execution.runner import BeamPrefilled, Prefilled, Runner
-from ..model.attention import BeamDecode, Decode, PackedPrefill
 from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
+from ..model.forward_context import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
