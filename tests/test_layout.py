@@ -188,3 +188,14 @@ def test_the_slot_side_reaches_the_loop_side_only_through_its_door():
     loop_to_slot = [f"{module} -> {target}" for module in _rooms_modules("engine") for target in sorted(graph[module])
                     if _room(target) == "execution"]
     assert not loop_to_slot, "the loop side imports the slot side:\n" + "\n".join(loop_to_slot)
+
+
+def test_one_module_reads_what_the_cpu_can_do():
+    """/proc/cpuinfo is read in model/cpu_features.py alone: the CPU's dtype and our kernels' build
+    are one decision, so they read the CPU one way (issue 50)."""
+    readers = []
+    for module, path in _modules().items():
+        with open(path, encoding="utf-8") as f:
+            if "open(\"/proc/cpuinfo\")" in f.read():
+                readers.append(module)
+    assert readers == ["xllm_async.model.cpu_features"]
