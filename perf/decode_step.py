@@ -40,7 +40,8 @@ def use(way: str) -> None:
 
 def steps(runner: ModelRunner, prompt: list[int], count: int) -> tuple[list[tuple[float, float]], list[int]]:
     """The prompt's prefill, then `count` decode steps: (wall, thread CPU) seconds each, and the tokens."""
-    logits, kv = runner.prefill([prompt], len(prompt) + count + 1)
+    prefilled = runner.prefill([prompt], len(prompt) + count + 1)
+    logits, kv = prefilled.logits, prefilled.cache
     token = argmax_rows(logits)
     seconds, tokens = [], []
     for _ in range(count):
@@ -53,7 +54,8 @@ def steps(runner: ModelRunner, prompt: list[int], count: int) -> tuple[list[tupl
 
 def host_counts(runner: ModelRunner, prompt: list[int], count: int = 10) -> tuple[float, float]:
     """Python calls and nn.Module calls per decode step, under cProfile."""
-    logits, kv = runner.prefill([prompt], len(prompt) + count + 1)
+    prefilled = runner.prefill([prompt], len(prompt) + count + 1)
+    logits, kv = prefilled.logits, prefilled.cache
     token = argmax_rows(logits)
     profile = cProfile.Profile()
     profile.enable()

@@ -30,7 +30,7 @@ from xllm_async.runtime.model_runner import ModelRunner, load_runner
 
 def forward(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
     """One prefill as a slot runs it: the logits, then the picked tokens (which waits for the device)."""
-    logits, _ = runner.prefill(prompts)
+    logits = runner.prefill(prompts).logits
     return argmax_rows(logits)
 
 

@@ -313,10 +313,11 @@ def test_packed_attention_fills_the_cache_that_decoding_reads(tiny_model_dir, dt
 
     def greedy(steps: int = 4) -> list[list[int]]:
         with torch.inference_mode():
-            logits, cache = runner.prefill(first, capacity=128)
+            prefilled = runner.prefill(first, capacity=128)
+            logits, cache = prefilled.logits, prefilled.cache
             tokens = [logits.argmax(-1).tolist()]
             logits = runner.decode(cache, tokens[-1])
-            more, _ = runner.prefill(later, into=cache)
+            more = runner.prefill(later, into=cache).logits
             tokens.append(logits.argmax(-1).tolist() + more.argmax(-1).tolist())
             for _ in range(steps):
                 tokens.append(runner.decode(cache, tokens[-1]).argmax(-1).tolist())
@@ -347,8 +348,8 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
             module.fused = False
     prompts = random_prompts(31, [5, 40, 17, 90])
     with torch.inference_mode():
-        a, _ = fused.prefill(prompts)
-        b, _ = eager.prefill(prompts)
+        a = fused.prefill(prompts).logits
+        b = eager.prefill(prompts).logits
     # Logits of a random model differ by the few last-bit roundings of the norms, layer after layer.
     assert torch.allclose(a, b, atol=0.1, rtol=0.05)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
@@ -357,11 +358,11 @@ def test_a_model_answers_the_same_with_and_without_them(tiny_model_dir):
     assert bool(float32.model.fused) == cpu_kernels.wanted(torch.float32)
     if float32.model.fused:
         with torch.inference_mode():
-            a, _ = float32.prefill(prompts)
+            a = float32.prefill(prompts).logits
             for module in float32.model.modules():
                 if getattr(module, "fused", False):
                     module.fused = False
-            b, _ = float32.prefill(prompts)
+            b = float32.prefill(prompts).logits
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
@@ -389,7 +390,7 @@ def test_a_prefills_mlp_in_chunks_of_rows_answers_as_in_one(tiny_model_dir, monk
         monkeypatch.setattr(layers, "QUANT_MLP_CHUNK_BYTES", chunk_bytes if quantization != "none" else 1)
         rows.clear()
         with torch.inference_mode():
-            return runner.prefill(prompts)[0]
+            return runner.prefill(prompts).logits
 
     chunked = prefill(1)  # chunks of the fewest rows, 256
     # (plain bfloat16 rows reach oneDNN padded: 896)
@@ -417,7 +418,7 @@ def test_without_a_compiler_the_model_runs_its_eager_code_and_says_so(tiny_model
     assert "compiling" in cpu_kernels.load_failure() and not any(cpu_kernels.verified().values())
     assert "fused CPU kernels unavailable" in caplog.text
     with torch.inference_mode():
-        logits, _ = runner.prefill(random_prompts(3, [6, 11]))
+        logits = runner.prefill(random_prompts(3, [6, 11])).logits
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()
 
 
@@ -489,7 +490,8 @@ def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir
         monkeypatch.setattr(llama, "NATIVE_STEP", way == "native")
         out = []
         with torch.inference_mode():
-            logits, kv = runner.prefill(prompts, 40)
+            prefilled = runner.prefill(prompts, 40)
+            logits, kv = prefilled.logits, prefilled.cache
             for _ in range(4):
                 tokens = logits.argmax(-1).tolist()
                 logits = runner.decode(kv, tokens, between_layers=lambda: between.append(way))

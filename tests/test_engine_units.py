@@ -85,8 +85,10 @@ def test_kv_cache_select_and_merge_keep_rows_exact(reference):
                                                                  torch.device("cpu"), 0)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16]]
     with torch.inference_mode():
-        logits, kv = runner.prefill(prompts, capacity=1)
-        one_logits, one_kv = runner.prefill(prompts[2:], capacity=1)
+        prefilled = runner.prefill(prompts, capacity=1)
+        logits, kv = prefilled.logits, prefilled.cache
+        prefilled = runner.prefill(prompts[2:], capacity=1)
+        one_logits, one_kv = prefilled.logits, prefilled.cache
         kv.select([0, 1])
         kv.merge(one_kv)
         tokens = logits.argmax(-1).tolist()[:2] + one_logits.argmax(-1).tolist()

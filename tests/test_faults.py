@@ -20,10 +20,10 @@ POISON = 4242  # a prompt holding this token id makes the forward raise
 
 
 class FaultyRunner(ModelRunner):
-    def prefill(self, prompts, capacity=0, into=None, between_layers=None, cached=None, hits=None):
+    def prefill(self, prompts, capacity=0, into=None, between_layers=None, hits=None):
         if any(POISON in p for p in prompts):
             raise RuntimeError("injected: out of memory")
-        return super().prefill(prompts, capacity, into, between_layers, cached, hits)
+        return super().prefill(prompts, capacity, into, between_layers, hits)
 
     def decode(self, kv, tokens, between_layers=None):
         if POISON in tokens:
@@ -76,10 +76,10 @@ async def test_a_failing_decode_step_answers_500_mid_stream_too(faulty_runner, t
         req = EngineRequest(0, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), stream)
         original = faulty_runner.prefill
 
-        def prefill_then_poison(prompts, capacity=0, into=None, between_layers=None, cached=None, hits=None):
-            logits, kv = original(prompts, capacity, into, between_layers, cached, hits)
-            logits[:, POISON] = 1e9  # the first sampled token is POISON, so the first decode raises
-            return logits, kv
+        def prefill_then_poison(prompts, capacity=0, into=None, between_layers=None, hits=None):
+            out = original(prompts, capacity, into, between_layers, hits)
+            out.logits[:, POISON] = 1e9  # the first sampled token is POISON, so the first decode raises
+            return out
 
         faulty_runner.prefill = prefill_then_poison
         try:
@@ -106,10 +106,10 @@ async def test_a_stream_whose_generation_fails_ends_with_an_error_event(faulty_r
     await service.start()
     original = faulty_runner.prefill
 
-    def prefill_then_poison(prompts, capacity=0, into=None, between_layers=None, cached=None, hits=None):
-        logits, kv = original(prompts, capacity, into, between_layers, cached, hits)
-        logits[:, POISON] = 1e9  # the first token is POISON, so the first decode raises
-        return logits, kv
+    def prefill_then_poison(prompts, capacity=0, into=None, between_layers=None, hits=None):
+        out = original(prompts, capacity, into, between_layers, hits)
+        out.logits[:, POISON] = 1e9  # the first token is POISON, so the first decode raises
+        return out
 
     faulty_runner.prefill = prefill_then_poison
     try:

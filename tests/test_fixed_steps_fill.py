@@ -597,12 +597,12 @@ class GatedRunner(ModelRunner):
         self.entered, self.gate = threading.Event(), threading.Event()
         self.prefills: list[tuple[str, int]] = []
 
-    def prefill(self, prompts, capacity=0, into=None, between_layers=None, cached=None, hits=None):
+    def prefill(self, prompts, capacity=0, into=None, between_layers=None, hits=None):
         self.prefills.append((threading.current_thread().name, len(prompts)))
         if any(GATE in p for p in prompts):
             self.entered.set()
             self.gate.wait(120)
-        return super().prefill(prompts, capacity, into, between_layers, cached, hits)
+        return super().prefill(prompts, capacity, into, between_layers, hits)
 
 
 @pytest.mark.parametrize("arrive", [2, 3])

@@ -69,7 +69,8 @@ def test_graphed_prefill_and_decode_equal_the_plain_forward(runners, slot):
 
     def steps(runner):
         out = []
-        logits, kv = runner.prefill(prompts, capacity=60)
+        prefilled = runner.prefill(prompts, capacity=60)
+        logits, kv = prefilled.logits, prefilled.cache
         out.append(logits)
         for _ in range(4):
             logits = runner.decode(kv, logits.argmax(-1).tolist())
@@ -90,9 +91,9 @@ def test_graphed_one_token_prefill_and_scoring_equal_the_plain_forward(runners, 
     scored = [3, None, 0, 0, 20]
 
     def run(runner):
-        logits, _ = runner.prefill(prompts)  # no cache: the one-token requests' path
-        scores_logits, _, scores = runner.prefill_scored(prompts, 0, None, scored)
-        return logits.cpu(), scores_logits.cpu(), scores
+        logits = runner.prefill(prompts).logits  # no cache: the one-token requests' path
+        scored_out = runner.prefill_scored(prompts, 0, None, scored)
+        return logits.cpu(), scored_out.logits.cpu(), scored_out.scores
 
     with torch.inference_mode():
         expected = run(plain)
@@ -118,10 +119,10 @@ def test_a_batch_beyond_the_largest_bucket_runs_the_plain_forward(runners, slot,
     plain, graphed = runners
     prompts = random_prompts(34, [100, 60])  # 160 rows: no bucket holds them
     with torch.inference_mode():
-        expected, _ = plain.prefill(prompts)
+        expected = plain.prefill(prompts).logits
     replays = []
     monkeypatch.setattr(PiecewiseGraphs, "forward", lambda *a: replays.append(a))
-    found, _ = slot.call(lambda: graphed.prefill(prompts))
+    found = slot.call(lambda: graphed.prefill(prompts)).logits
     assert not replays
     torch.testing.assert_close(found.cpu(), expected.cpu(), **TOLERANCE)
 
@@ -148,7 +149,8 @@ def test_a_decode_step_as_one_masked_call_equals_a_call_per_length(runners, monk
     prompts = random_prompts(35, [3, 40, 1, 17, 17])
 
     def steps():
-        logits, kv = plain.prefill(prompts, capacity=50)
+        prefilled = plain.prefill(prompts, capacity=50)
+        logits, kv = prefilled.logits, prefilled.cache
         out = []
         for _ in range(3):
             logits = plain.decode(kv, logits.argmax(-1).tolist())

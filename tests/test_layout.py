@@ -35,6 +35,10 @@ CAP_MARGIN = 10
 KERNEL_MAX_LINES = MAX_LINES - CAP_MARGIN
 PYTHON_MAX_LINES = MAX_LINES - CAP_MARGIN  # and Python too
 KERNEL_SOURCES = (".cpp", ".h")
+# The contracts a room below their users implements (and names, as a base class): contract module ->
+# the rooms that may import it besides those ALLOWED. Each imports nothing of ours, so naming it
+# brings nothing of the room above along (test_a_contract_a_lower_room_names_imports_nothing_of_ours).
+CONTRACTS = {"xllm_async.execution.runner": {"runtime"}}
 
 # room -> the rooms it may import (besides itself)
 ALLOWED = {
@@ -114,8 +118,13 @@ def test_every_room_imports_only_the_rooms_below_it():
         room = _room(module)
         assert room in ALLOWED, f"{module}: a room the layout does not know; add it to ALLOWED"
         wrong += [f"{module} -> {t}" for t in sorted(targets)
-                  if _room(t) != room and _room(t) not in ALLOWED[room]]
+                  if _room(t) != room and _room(t) not in ALLOWED[room] and room not in CONTRACTS.get(t, ())]
     assert not wrong, "imports running up or across the house:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("contract", sorted(CONTRACTS))
+def test_a_contract_a_lower_room_names_imports_nothing_of_ours(contract):
+    assert not _graph()[contract], f"{contract} imports {sorted(_graph()[contract])}"
 
 
 def test_no_circle_of_imports_between_modules():
@@ -211,3 +220,14 @@ def test_the_slot_side_reaches_the_loop_side_only_through_its_door():
     loop_to_slot = [f"{module} -> {target}" for module in _rooms_modules("engine") for target in sorted(graph[module])
                     if _room(target) == "execution"]
     assert not loop_to_slot, "the loop side imports the slot side:\n" + "\n".join(loop_to_slot)
+
+
+def test_one_module_reads_what_the_cpu_can_do():
+    """/proc/cpuinfo is read in model/cpu_features.py alone: the CPU's dtype and our kernels' build
+    are one decision, so they read the CPU one way (issue 50)."""
+    readers = []
+    for module, path in _modules().items():
+        with open(path, encoding="utf-8") as f:
+            if "open(\"/proc/cpuinfo\")" in f.read():
+                readers.append(module)
+    assert readers == ["xllm_async.model.cpu_features"]

@@ -42,7 +42,8 @@ def reference_logits(reference, sequence: list[int]) -> torch.Tensor:
 def test_packed_prefill_and_decode_equal_transformers_on_mixed_lengths(native, reference):
     prompts = random_prompts(11, [3, 40, 1, 17, 17, 17, 64])
     with torch.inference_mode():
-        logits, kv = native.prefill(prompts, capacity=80)
+        prefilled = native.prefill(prompts, capacity=80)
+        logits, kv = prefilled.logits, prefilled.cache
         sequences = [list(p) for p in prompts]
         for step in range(3):
             for row, seq in enumerate(sequences):
@@ -67,8 +68,9 @@ def test_prompt_scores_are_the_models_log_probabilities_of_each_next_token(engin
     prompts = random_prompts(12, [5, 40, 1, 17, 2])
     scored = [3, None, 0, 0, 20]  # scored and plain rows mixed, a one-token prompt among them
     with torch.inference_mode():
-        plain, _ = runner.prefill(prompts, capacity=60)
-        logits, kv, scores = runner.prefill_scored(prompts, 60, None, scored)
+        plain = runner.prefill(prompts, capacity=60).logits
+        prefilled = runner.prefill_scored(prompts, 60, None, scored)
+        logits, kv, scores = prefilled.logits, prefilled.cache, prefilled.scores
         torch.testing.assert_close(logits, plain, atol=2e-4, rtol=2e-4)  # the next token's logits as ever
         assert kv is not None and scores[1] is None
         for prompt, top, score in zip(prompts, scored, scores):
@@ -85,18 +87,20 @@ def test_prompt_scores_are_the_models_log_probabilities_of_each_next_token(engin
                 assert [v for _, v in score.top[position]] == pytest.approx(row.topk(top).values.tolist(), abs=2e-4)
         # The cache holds the prompts as prefill's does: decoding from it gives the same logits.
         tokens = logits.argmax(-1).tolist()
-        torch.testing.assert_close(runner.decode(kv, tokens), runner.decode(runner.prefill(prompts, 60)[1], tokens),
+        torch.testing.assert_close(runner.decode(kv, tokens), runner.decode(runner.prefill(prompts, 60).cache, tokens),
                                    atol=2e-4, rtol=2e-4)
 
 
 def test_rows_joining_a_running_cache_grow_it_in_place(native, reference):
     first, second = random_prompts(12, [5, 9]), random_prompts(13, [30, 2, 12])
     with torch.inference_mode():
-        logits, kv = native.prefill(first, capacity=12)
+        prefilled = native.prefill(first, capacity=12)
+        logits, kv = prefilled.logits, prefilled.cache
         tokens = logits.argmax(-1).tolist()
         sequences = [p + [t] for p, t in zip(first, tokens)]
         logits = native.decode(kv, tokens)
-        joined, kv2 = native.prefill(second, capacity=40, into=kv)  # wider and more rows: the cache reshapes
+        prefilled = native.prefill(second, capacity=40, into=kv)  # wider and more rows: the cache reshapes
+        joined, kv2 = prefilled.logits, prefilled.cache
         assert kv2 is kv and kv.rows == 5 and kv.capacity >= 40
         tokens = logits.argmax(-1).tolist() + joined.argmax(-1).tolist()
         sequences = [s + [t] for s, t in zip(sequences, tokens[:2])] + [p + [t] for p, t in zip(second, tokens[2:])]
@@ -235,7 +239,7 @@ def test_beam_caches_come_out_of_the_slots_arena(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
     runner.set_kv_cache(runner.kv_layout.token_bytes * 300, 1)
     with torch.inference_mode():
-        _, state = runner.beam_prefill([[1] * 20, [2] * 30], [16, 8], 5)
+        state = runner.beam_prefill([[1] * 20, [2] * 30], [16, 8], 5).state
         buffer = runner._arena()._buffer
         assert state.own.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         # After the prompts' 2 x 30 tokens: 24 beams x 4 rounds.
@@ -395,7 +399,8 @@ def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(t
 
     def greedy(batch: list[list[int]], steps: int = 12) -> list[list[int]]:
         with torch.inference_mode():
-            logits, kv = runner.prefill(batch, max(map(len, batch)) + steps)
+            prefilled = runner.prefill(batch, max(map(len, batch)) + steps)
+            logits, kv = prefilled.logits, prefilled.cache
             out = [[t] for t in logits.argmax(-1).tolist()]
             for _ in range(steps - 1):
                 logits = runner.decode(kv, [seq[-1] for seq in out])
@@ -442,7 +447,8 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
 
     def greedy(batch: list[list[int]], steps: int = 3) -> list[list[int]]:
         with torch.inference_mode():
-            logits, kv = runner.prefill(batch, max(map(len, batch)) + steps)
+            prefilled = runner.prefill(batch, max(map(len, batch)) + steps)
+            logits, kv = prefilled.logits, prefilled.cache
             assert logits.shape[0] == len(batch)
             out = [[t] for t in logits.argmax(-1).tolist()]
             for _ in range(steps - 1):
@@ -472,7 +478,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
     rows come out as unpadded attention computes them."""
     import torch.nn.functional as F
 
-    from xllm_async.model import attention, attention_backends
+    from xllm_async.model import attention_backends, forward_context
 
     spans: list[tuple[int, int]] = []  # (queries, keys) of every kernel call
     sdpa, flash = F.scaled_dot_product_attention, attention_backends.FLASH_CPU
@@ -499,7 +505,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
         return torch.randn(*shape, generator=gen).bfloat16()
 
     q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
-    out = attention.PackedPrefill(torch_kernels, lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
+    out = forward_context.PackedPrefill(torch_kernels, lengths, torch.device("cpu")).attend(0, q, k, v, dim ** -0.5)
     assert spans and all(n % attention_backends.ATTENTION_MULTIPLE == 0 for call in spans for n in call)
     start = 0
     for n in lengths:  # each sequence against float32 attention of its own tokens
@@ -519,7 +525,7 @@ def test_bfloat16_attention_reaches_the_kernel_in_multiples_of_16_tokens(monkeyp
 
     spans.clear()  # float32 takes the kernel's other path: exact lengths
     float32 = attention_backends.SdpaAttention(torch.float32, flash=spy_flash)
-    attention.PackedPrefill(float32, lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(),
+    forward_context.PackedPrefill(float32, lengths, torch.device("cpu")).attend(0, q.float(), k.float(), v.float(),
                                                                           dim ** -0.5)
     assert sorted(set(spans)) == [(5, 5), (23, 23), (40, 40)]
 
@@ -538,7 +544,7 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
     it off for good, with one warning, and the packed prompts' SDPA calls answer instead. Once,
     any failure turned it off for the whole process. (torch's function replaced by a stand-in:
     it runs only on CUDA.)"""
-    from xllm_async.model import attention, attention_backends
+    from xllm_async.model import attention_backends, flash_varlen, forward_context
 
     failures = iter([torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                      RuntimeError("CUDA error: an illegal memory access was encountered"), refusal])
@@ -551,12 +557,12 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
             raise failure
         return torch.zeros_like(q)
 
-    flash = attention_backends.FlashVarlen()
+    flash = flash_varlen.FlashVarlen()
     flash.fn, flash.extra, flash.gqa, flash.scale = stand_in, {}, True, True
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(11, 2, 16, generator=gen) for _ in range(3))
     # (CPU tensors stand in for CUDA ones)
-    prefill = attention.PackedPrefill(attention_backends.CudaFlashAttention(torch.float32, flash), [5, 6],
+    prefill = forward_context.PackedPrefill(attention_backends.CudaFlashAttention(torch.float32, flash), [5, 6],
                                       torch.device("cpu"))
     assert prefill.cu_lengths.tolist() == [0, 5, 11]
     with pytest.raises(torch.OutOfMemoryError):
@@ -569,7 +575,7 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
     assert flash.fn is None and caplog.text.count("varlen flash attention unusable") == 1
     assert len(calls) == 3 and out.abs().sum() > 0  # SDPA's answer, not the stand-in's zeros
     assert torch.equal(prefill.attend(0, q, k, v, 0.25), out) and len(calls) == 3  # off for good
-    assert not attention_backends.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
+    assert not flash_varlen.unsupported(torch.OutOfMemoryError("out of memory: not supported"))
 
 
 def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monkeypatch):
@@ -603,6 +609,7 @@ def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_
     prefills in bfloat16 and float16."""
     from xllm_async.model import attention_backends as backends
     from xllm_async.model import cpu_kernels
+    from xllm_async.model.flash_varlen import FlashVarlen
     from xllm_async.runtime.backends import choose_attention
 
     cpu = torch.device("cpu")
@@ -617,5 +624,5 @@ def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_
     for device in (torch.device("cuda", 0), torch.device("meta")):  # (chosen, not run; meta stands in for an NPU)
         assert type(choose_attention(device, torch.float32, 64, 3)) is backends.MaskedSdpaAttention
     flash = choose_attention(torch.device("cuda", 0), torch.bfloat16, 64, 3)
-    wanted = backends.CudaFlashAttention if backends.FlashVarlen().fn is not None else backends.MaskedSdpaAttention
+    wanted = backends.CudaFlashAttention if FlashVarlen().fn is not None else backends.MaskedSdpaAttention
     assert type(flash) is wanted and flash.multiple == 1

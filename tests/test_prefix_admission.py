@@ -88,12 +88,12 @@ def test_a_hit_from_admission_serves_the_prefill_and_stays_pinned_until_released
     with torch.inference_mode():
         runner.prefill([prompt], capacity=160)
         hit = runner.match_prefix(prompt + [5])
-        cached: list[int] = []
-        logits, _ = runner.prefill([prompt + [5]], capacity=160, cached=cached, hits=[hit])
-        assert cached == [4 * B] and runner.prefix_store.pinned == 4  # still admission's
+        out = runner.prefill([prompt + [5]], capacity=160, hits=[hit])
+        logits = out.logits
+        assert out.cached == [4 * B] and runner.prefix_store.pinned == 4  # still admission's
         runner.release_prefix(hit)
         with store_aside(runner):
-            expected, _ = runner.prefill([prompt + [5]], capacity=160)
+            expected = runner.prefill([prompt + [5]], capacity=160).logits
     assert runner.prefix_store.pinned == 0 and torch.equal(logits, expected)
 
 
@@ -103,12 +103,11 @@ def test_one_token_prefills_find_and_keep_prefixes_bit_for_bit(runner):
     prompts = random_prompts(32, [140, 75])
     with torch.inference_mode():
         with store_aside(runner):
-            expected, _ = runner.prefill(prompts)
-        first, second = [], []
-        cold, _ = runner.prefill(prompts, cached=first)
-        warm, _ = runner.prefill(prompts, cached=second)
-    assert first == [0, 0] and second == [4 * B, 2 * B]
-    assert torch.equal(cold, expected) and torch.equal(warm, expected)
+            expected = runner.prefill(prompts).logits
+        cold = runner.prefill(prompts)
+        warm = runner.prefill(prompts)
+    assert cold.cached == [0, 0] and warm.cached == [4 * B, 2 * B]
+    assert torch.equal(cold.logits, expected) and torch.equal(warm.logits, expected)
     assert runner.prefix_store.pinned == 0
 
 
@@ -117,13 +116,11 @@ def test_a_single_beam_round_finds_and_keeps_prefixes_bit_for_bit(runner):
     prompts = random_prompts(33, [140, 75])
     with torch.inference_mode():
         with store_aside(runner):
-            expected, _ = runner.beam_prefill(prompts, [4, 4], 1)
-            expected = expected.clone()
-        first, second = [], []
-        runner.beam_prefill(prompts, [4, 4], 1, cached=first)
-        warm, _ = runner.beam_prefill(prompts, [4, 4], 1, cached=second)
-    assert first == [0, 0] and second == [4 * B, 2 * B]
-    assert torch.equal(warm, expected)
+            expected = runner.beam_prefill(prompts, [4, 4], 1).hidden.clone()
+        first = runner.beam_prefill(prompts, [4, 4], 1).cached
+        warm = runner.beam_prefill(prompts, [4, 4], 1)
+    assert first == [0, 0] and warm.cached == [4 * B, 2 * B]
+    assert torch.equal(warm.hidden, expected)
 
 
 # --- every path through a real service unpins what admission pinned ---
@@ -138,12 +135,12 @@ class PathRunner(ModelRunner):
         self.entered, self.gate = threading.Event(), threading.Event()
         self.pinned_in_prefill: list[int] = []
 
-    def prefill(self, prompts, capacity=0, into=None, between_layers=None, cached=None, hits=None):
+    def prefill(self, prompts, capacity=0, into=None, between_layers=None, hits=None):
         self.pinned_in_prefill.append(self.prefix_store.pinned)
         if any(GATE in p for p in prompts):
             self.entered.set()
             self.gate.wait(120)
-        return super().prefill(prompts, capacity, into, between_layers, cached, hits)
+        return super().prefill(prompts, capacity, into, between_layers, hits)
 
     def _forward(self, tokens, ctx, between_layers):
         if POISON in tokens:

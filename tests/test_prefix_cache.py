@@ -49,9 +49,9 @@ def store_aside(runner, cold: bool = True):
 def run(runner, prompts: list[list[int]], steps: int = 4, cold: bool = False):
     """Greedy steps over the prompts as one batch: (logits of every step [steps, rows, vocab],
     each prompt's cached tokens). cold: with the store set aside."""
-    cached: list[int] = []
     with store_aside(runner, cold), torch.inference_mode():
-        logits, kv = runner.prefill(prompts, capacity=max(map(len, prompts)) + steps, cached=cached)
+        prefilled = runner.prefill(prompts, capacity=max(map(len, prompts)) + steps)
+        logits, kv, cached = prefilled.logits, prefilled.cache, prefilled.cached
         out = [logits]
         for _ in range(steps - 1):
             logits = runner.decode(kv, logits.argmax(-1).tolist())
@@ -99,13 +99,12 @@ def test_rows_joining_a_running_batch_find_their_prefix_too(runner):
     run(runner, prompts)
     joiner = prompts[0][:100] + [7, 8, 9]
     with torch.inference_mode():
-        _, kv = runner.prefill([prompts[1]], capacity=200)
-        cached: list[int] = []
-        logits, _ = runner.prefill([joiner], into=kv, cached=cached)
+        kv = runner.prefill([prompts[1]], capacity=200).cache
+        joined = runner.prefill([joiner], into=kv)
         with store_aside(runner):
-            _, cold_kv = runner.prefill([prompts[1]], capacity=200)
-            expected, _ = runner.prefill([joiner], into=cold_kv)
-    assert cached == [3 * B] and torch.equal(logits, expected)
+            cold_kv = runner.prefill([prompts[1]], capacity=200).cache
+            expected = runner.prefill([joiner], into=cold_kv).logits
+    assert joined.cached == [3 * B] and torch.equal(joined.logits, expected)
 
 
 def test_slots_share_the_store(runner):
@@ -128,22 +127,21 @@ def test_scored_prompts_compute_every_position_and_score_as_cold(runner):
     prompts = random_prompts(6, [100, 100])
     run(runner, prompts)
     with torch.inference_mode():
-        cached: list[int] = []
-        logits, _, scores = runner.prefill_scored(prompts, 110, None, [2, None], cached=cached)
+        warm = runner.prefill_scored(prompts, 110, None, [2, None])
         with store_aside(runner):
-            cold_logits, _, cold_scores = runner.prefill_scored(prompts, 110, None, [2, None])
-    assert cached == [0, 3 * B]  # the scored one computes its every position; the other finds its blocks
-    assert torch.equal(logits, cold_logits)
-    assert scores[0].logprobs == cold_scores[0].logprobs and scores[1] is None
+            cold = runner.prefill_scored(prompts, 110, None, [2, None])
+    assert warm.cached == [0, 3 * B]  # the scored one computes its every position; the other finds its blocks
+    assert torch.equal(warm.logits, cold.logits)
+    assert warm.scores[0].logprobs == cold.scores[0].logprobs and warm.scores[1] is None
 
 
 def beam_rounds(runner, prompts: list[list[int]], cold: bool = False):
     """A beam search's hidden states (the prefill's, then two rounds of 3 beams a prompt, fed fixed
     tokens) and each prompt's cached tokens."""
-    cached: list[int] = []
     with store_aside(runner, cold), torch.inference_mode():
-        hidden, state = runner.beam_prefill(prompts, [3] * len(prompts), 3, cached=cached)
-        outs = [hidden.clone()]
+        prefilled = runner.beam_prefill(prompts, [3] * len(prompts), 3)
+        state, cached = prefilled.state, prefilled.cached
+        outs = [prefilled.hidden.clone()]
         widths = [3] * len(prompts)
         for parents in ([r for r in range(len(prompts)) for _ in range(3)],
                         [3 * r + (b + 1) % 3 for r in range(len(prompts)) for b in range(3)]):

@@ -7,7 +7,7 @@ de-quantized weights."""
 import pytest
 import torch
 
-from xllm_async.model import cpu_kernels, quantized
+from xllm_async.model import cpu_features, cpu_kernels, quantized
 from xllm_async.model.quantized import BLOCK, FORMATS, QuantWeight
 
 
@@ -17,7 +17,7 @@ def kernel():
     verify is a failure, not a skip."""
     if quantized.kernel_verified():
         return
-    if cpu_kernels.instruction_sets() and "avx512_vnni" in cpu_kernels._cpu_flags().split():
+    if cpu_kernels.instruction_sets() and "avx512_vnni" in cpu_features.cpu_flags():
         pytest.fail(f"our quantized linear did not build or verify here: {cpu_kernels.load_failure()}")
     pytest.skip("no AVX512-BF16 and VNNI here: QuantWeight.linear runs the reference")
 

@@ -121,7 +121,8 @@ def reference_linear(monkeypatch):
 def _greedy(runner, prompt: list[int], tokens: int) -> list[int]:
     """The runner's own greedy tokens (what a server on it must answer)."""
     with torch.inference_mode():
-        logits, kv = runner.prefill([prompt], len(prompt) + tokens)
+        prefilled = runner.prefill([prompt], len(prompt) + tokens)
+        logits, kv = prefilled.logits, prefilled.cache
         out = [int(logits[0].argmax())]
         while len(out) < tokens:
             out.append(int(runner.decode(kv, out[-1:])[0].argmax()))
@@ -130,7 +131,7 @@ def _greedy(runner, prompt: list[int], tokens: int) -> list[int]:
 
 def _prefill_logits(runner, prompts=PROMPTS) -> list[torch.Tensor]:
     with torch.inference_mode():
-        return [runner.prefill([p])[0][0] for p in prompts]
+        return [runner.prefill([p]).logits[0] for p in prompts]
 
 
 def _assert_same_logits(got: list[torch.Tensor], expected: list[torch.Tensor], tolerance: float = 1e-4) -> None:

@@ -85,29 +85,29 @@ class GenerationBatch(Batch):
         first = len(self.requests) if into is not None else 0
         capacity, kv = cache_capacity(requests, self.runner.max_model_len), self.kv if into is not None else None
         scored = [r.params.prompt_logprobs for r in requests]
-        cached: list[int] = []  # (each prompt's tokens found in the prefix cache, where there is one)
         try:
             with admitted_prefixes(self.runner, requests) as hits:
                 if any(k is not None for k in scored):  # (scoring: every position's logits of these prompts)
-                    logits, self.kv, scores = self.runner.prefill_scored(
-                        prompts, capacity, kv, scored, between_layers=self.between_layers, cached=cached, hits=hits)
-                    for req, score in zip(requests, scores):
+                    out = self.runner.prefill_scored(prompts, capacity, kv, scored, between_layers=self.between_layers,
+                                                     hits=hits)
+                    for req, score in zip(requests, out.scores):
                         req.prompt_scores = score
                 else:
-                    logits, self.kv = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers,
-                                                          cached=cached, hits=hits)
+                    out = self.runner.prefill(prompts, capacity, kv, between_layers=self.between_layers, hits=hits)
+                self.kv = out.cache
         except Exception:
             if into is not None and self.kv is not None:  # the running rows go on; drop half-written ones
                 self.kv.select(list(range(first)))
             raise
-        for req, tokens in zip(requests, cached):
-            req.cached_tokens = tokens
+        if out.cached is not None:  # (each prompt's tokens found in the prefix cache)
+            for req, tokens in zip(requests, out.cached):
+                req.cached_tokens = tokens
         if into is not None:
             self.requests = self.requests + requests
         self._controlled = any(r.controls is not None for r in self.requests)
-        items = self._advance(logits, first)
+        items = self._advance(out.logits, first)
         if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items), cached)
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(items), out.cached)
         return items
 
     def decode(self) -> Items:

@@ -2,7 +2,7 @@
 found by a wide beam, every request running exactly its number of rounds.
 
 A beam request prefills its prompt once and keeps that cache once; its beams keep only their own
-tokens (the runner's beam calls, model/attention.py's BeamDecode). Each round: final hidden states
+tokens (the runner's beam calls, model/forward_context.py's BeamDecode). Each round: final hidden states
 -> logits -> log-probabilities -> the best beam_width (beam, token) continuations by cumulative
 log-probability -> the beams' own caches follow their parents. EOS is an ordinary token here: item ids
 have a fixed length, so every request runs its rounds to the end.
@@ -88,17 +88,18 @@ class BeamSearchBatch(Batch):
         for req in self.requests:
             req.started = started
         prompts = [r.prompt_ids for r in self.requests]
-        cached: list[int] = []  # (each prompt's tokens found in the prefix cache, where there is one)
         with admitted_prefixes(self.runner, self.requests) as hits:
-            hidden, self.state = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
-                                                          max(r.rounds for r in self.requests),
-                                                          between_layers=self.between_layers, cached=cached, hits=hits)
-        for req, tokens in zip(self.requests, cached):
-            req.cached_tokens = tokens
+            out = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
+                                           max(r.rounds for r in self.requests), between_layers=self.between_layers,
+                                           hits=hits)
+        self.state, hidden = out.state, out.hidden
+        if out.cached is not None:  # (each prompt's tokens found in the prefix cache)
+            for req, tokens in zip(self.requests, out.cached):
+                req.cached_tokens = tokens
         self.groups = [_Group(req, hidden.device) for req in self.requests]
         self._choose(hidden)
         if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), cached)
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), out.cached)
         return self._finish_done()
 
     def decode(self) -> list:

@@ -1,11 +1,13 @@
 """The contract between the engine and whatever runs the model (runtime/): what
 the engine calls and what a runner declares. runtime.model_runner.ModelRunner
 (our own model code) and runtime.hf_runner.TransformersRunner (transformers, for
-other architectures) both implement it; the engine knows no other runner type.
+other architectures) both name it; the engine knows no other runner type, and
+tests/test_contracts.py checks both against it.
 
 Caches are opaque to the engine: it gets one from prefill() or beam_prefill()
 and hands it back to decode() or beam_decode(); it reads only what this
-contract names.
+contract names. A prefill answers with one result object (Prefilled,
+BeamPrefilled): what it computed and what it found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -14,6 +16,36 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+
+class Prefilled:
+    """What prefill() and prefill_scored() return: the prompts' last-position logits [rows, vocab]
+    (float32), their cache (None where none was asked for), each prompt's tokens served from the
+    prefix cache (None where the runner has no prefix cache), and with prefill_scored() each
+    prompt's PromptScores (model/scoring.py; None for a prompt not scored)."""
+
+    __slots__ = ("logits", "cache", "cached", "scores")
+
+    def __init__(self, logits: torch.Tensor, cache, cached: list[int] | None = None,
+                 scores: list | None = None) -> None:
+        self.logits = logits
+        self.cache = cache
+        self.cached = cached
+        self.scores = scores
+
+
+class BeamPrefilled:
+    """What beam_prefill() returns: one row per prompt that the runner's logits() turns into logits
+    (`hidden`: final hidden states, or the logits themselves where the runner says
+    hidden_is_logits), the beams' state for beam_decode(), and each prompt's tokens served from the
+    prefix cache (None where the runner has none)."""
+
+    __slots__ = ("hidden", "state", "cached")
+
+    def __init__(self, hidden: torch.Tensor, state, cached: list[int] | None = None) -> None:
+        self.hidden = hidden
+        self.state = state
+        self.cached = cached
 
 
 class Runner(Protocol):
@@ -31,6 +63,10 @@ class Runner(Protocol):
     shares_beam_prompts: bool
     kv_tokens: int  # tokens of cache an execution slot may hold (0: no budget set yet)
     caches_prefixes: bool  # a prefix cache serves its prefills (ours, with XLLM_PREFIX_CACHE=on)
+    # What the beam calls' rows are: False, final hidden states that logits() runs the LM head over
+    # (ours); True, the logits already (float32, [rows, vocab]), which logits() only selects
+    # columns of (transformers computes its own LM head inside its forward).
+    hidden_is_logits: bool
 
     def match_prefix(self, prompt: list[int]) -> object:
         """Where caches_prefixes, at admission: the prompt's longest cached prefix, pinned (never evicted)
@@ -51,35 +87,33 @@ class Runner(Protocol):
         where the runner has none."""
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0, into=None,
-                between_layers: Callable[[], None] | None = None,
-                cached: list[int] | None = None, hits: list | None = None) -> tuple[torch.Tensor, object]:
-        """Run the prompts; last-position logits [rows, vocab] and, with capacity or into, their cache.
+                between_layers: Callable[[], None] | None = None, hits: list | None = None) -> Prefilled:
+        """Run the prompts; their last-position logits and, with capacity or into, their cache.
         between_layers (here and in every call that runs a forward): called after each decoder
         layer where the runner has layers of its own, so the engine's CPU core rule acts mid-forward.
-        cached: extended with each prompt's tokens served from the prefix cache, where the runner has
-        one (left as it is where not). hits: each prompt's match_prefix() hit (or None: the runner
-        looks it up itself); the caller releases them after the call."""
+        hits: each prompt's match_prefix() hit (or None: the runner looks it up itself); the caller
+        releases them after the call."""
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into, scored: list[int | None],
-                       between_layers: Callable[[], None] | None = None, cached: list[int] | None = None,
-                       hits: list | None = None):
+                       between_layers: Callable[[], None] | None = None, hits: list | None = None) -> Prefilled:
         """prefill(), and each prompt's PromptScores (model/scoring.py) where scored[i] is set."""
 
     def decode(self, kv, tokens: list[int], between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One token per row of the cache; the next logits [rows, vocab]."""
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
-                     between_layers: Callable[[], None] | None = None,
-                     cached: list[int] | None = None, hits: list | None = None) -> tuple[torch.Tensor, object]:
-        """Each prompt once; (hidden states [prompts, ...], the beams' state) for logits() and beam_decode()."""
+                     between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
+        """Each prompt once: a row per prompt for logits(), and the beams' state for beam_decode()."""
 
     def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],
                     between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """One token per live beam, each continuing the row `parents[i]` of the last round."""
+        """One token per live beam, each continuing the row `parents[i]` of the last round: a row per
+        beam for logits() (as BeamPrefilled.hidden)."""
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
-        """The LM head over the whole vocabulary, only these token ids, or the columns [start, end)."""
+        """The beam calls' rows -> logits over the whole vocabulary, only these token ids, or the
+        columns [start, end): the LM head, or where hidden_is_logits a selection of those columns."""
 
     def topk_logsumexp(self):
         """A fused top-k and log-sum-exp over a block of logits in the model's dtype (our CPU kernel,

@@ -1,12 +1,7 @@
 """How attention is computed, one object per way, chosen once when the model loads
-(runtime/backends.py choose_attention), as vLLM's attention backends are. Every backend
-answers the three questions a forward's context (attention.py) asks of it:
-
-- prefill(ctx, layer, q, k, v, scale): causal attention of packed prompts (their keys are
-  already in the cache, where they have one);
-- decode(ctx, q, keys, values, scale): a decode step's rows against their cache slabs;
-- beam_prompt(q, keys, values, own_out, own_lse, scale): one request's beams against its
-  prompt, merged with their attention over their own tokens (BeamDecode).
+(runtime/backends.py choose_attention), as vLLM's attention backends are. AttentionBackend
+declares what every backend answers a forward's context (forward_context.py) and the optional
+capabilities a context reads; tests/test_contracts.py checks every backend against it.
 
 SdpaAttention: torch's kernels on a CPU. CpuKernelAttention: ours (csrc/), where they take
 the dtype and the head shape, torch's for the rest. MaskedSdpaAttention: accelerators, every
@@ -16,12 +11,12 @@ torch's varlen flash attention.
 
 from __future__ import annotations
 
-import inspect
-import logging
-import re
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
+
+from .flash_varlen import FlashVarlen
 
 # The fused CPU attention kernel behind scaled_dot_product_attention, called directly for the
 # log-sum-exp it also returns (None where this torch has no such operator).
@@ -47,9 +42,11 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
     return out_a * (lse_a - lse).exp() + out_b * (lse_b - lse).exp()
 
 
-def _attend_plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T) v and each query's log-sum-exp, in plain operations."""
+def plain_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T) v and each query's log-sum-exp (float32), in plain operations: the products
+    in the inputs' dtype (a caller that wants them in float32 hands float32 in), the softmax in
+    float32. The one attention written out in Python; every other is a kernel's."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).float()
     peak = scores.amax(dim=-1, keepdim=True)
     weights = (scores - peak).exp_()
@@ -65,13 +62,42 @@ def _after(skip: int, length: int, rows: int, keys: int, device: torch.device) -
     return torch.arange(keys, device=device) <= seen[:, None]
 
 
-class SdpaAttention:
+class AttentionBackend(ABC):
+    """What every attention backend answers a forward's context (forward_context.py), and the
+    optional capabilities a context may use, declared here (None or False: this backend has
+    none) and never sniffed."""
+
+    # PackedPrefill builds its sequences' starts on the device (cu_lengths): the flash kernel's input.
+    needs_cu_lengths: bool = False
+    # Our native decode attention (csrc/decode_attention.cpp), where this backend's decode() is it:
+    # then a decode step may run its whole layer loop natively (Decode.native_cache, csrc/small_step.cpp).
+    decode_kernel = None
+
+    @abstractmethod
+    def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """Causal attention of ctx's packed prompts (a PackedPrefill; their keys already in its cache,
+        where it has one): q [tokens, heads, dim], k, v [tokens, kv_heads, dim] -> [tokens (or one per
+        sequence where ctx.last_only), heads * dim]."""
+
+    @abstractmethod
+    def decode(self, ctx, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """A decode step's rows (ctx: a Decode) against their cache slabs, the new keys already in:
+        q [rows, heads, dim] -> [rows, heads * dim]."""
+
+    @abstractmethod
+    def beam_prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_out: torch.Tensor,
+                    own_lse: torch.Tensor, scale: float) -> torch.Tensor:
+        """One request's beams q [beams, heads, dim] against its prompt's keys/values [kv_heads,
+        prompt, dim], merged with own_out/own_lse [beams, kv_heads, group, ...] (their attention over
+        their own tokens, BeamDecode) -> [beams, kv_heads, group, dim]."""
+
+
+class SdpaAttention(AttentionBackend):
     """torch's attention on a CPU: a packed prefill in a call per run of equal lengths, a decode
     step in a call per run of rows of equal length (never one masked call over the longest row:
     that kernel blocks its keys by their number, so a row's sums, and in bfloat16 its greedy
     tokens, would depend on the rows beside it)."""
-
-    needs_cu_lengths = False  # (PackedPrefill's sequence starts on the device: the flash kernel's)
 
     def __init__(self, dtype: torch.dtype, flash=FLASH_CPU) -> None:
         self.multiple = 1 if dtype == torch.float32 else ATTENTION_MULTIPLE
@@ -136,7 +162,7 @@ class SdpaAttention:
         merging): through the fused kernel, which returns the log-sum-exp too and never holds the
         scores (perf/experiments/cpu_attention.py compares it with plain operations)."""
         if self.flash is None or not q.numel():  # (it faults on no queries)
-            return _attend_plain(q, keys, values, scale)
+            return plain_attention(q, keys, values, scale)
         queries, span = q.shape[-2], keys.shape[-2]
         rows, padded = self.span(queries), self.span(span)
         mask = None
@@ -149,10 +175,7 @@ class SdpaAttention:
 
     def beam_prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_out: torch.Tensor,
                     own_lse: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [beams, heads, dim] of one request against its prompt's keys/values [kv_heads,
-        prompt, dim], merged with own_out/own_lse [beams, kv_heads, group, ...] (their attention
-        over their own tokens) -> [beams, kv_heads, group, dim]. All beams in one product:
-        [kv_heads, beams x group, dim] against [kv_heads, prompt, dim]."""
+        """All beams in one product: [kv_heads, beams x group, dim] against [kv_heads, prompt, dim]."""
         width, _, dim = q.shape
         kv_heads, group = own_out.shape[1], own_out.shape[2]
         qr = q.view(width, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, width * group, dim)
@@ -252,62 +275,3 @@ class CudaFlashAttention(MaskedSdpaAttention):
             if out is not None:
                 return (out[ctx.last] if ctx.last_only else out).reshape(-1, q.shape[1] * q.shape[2])
         return super().prefill(ctx, layer, q, k, v, scale)
-
-
-class FlashVarlen:
-    """torch's variable-length flash attention (torch.nn.attention.varlen). Its arguments moved
-    between torch releases (is_causal became window_size, enable_gqa came later): read off its
-    signature. Off for good, with one warning, where a call says it cannot run here
-    (unsupported()). Any other failure (out of memory, a device fault) fails that forward's
-    batch only, as any forward's error does, and the next batch tries it again."""
-
-    def __init__(self) -> None:
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:
-            self.fn = None
-            return
-        params = inspect.signature(varlen_attn).parameters
-        self.fn = varlen_attn
-        self.extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-        self.gqa = "enable_gqa" in params
-        self.scale = "scale" in params
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_lengths: torch.Tensor, longest: int,
-                 scale: float) -> torch.Tensor | None:
-        extra = dict(self.extra)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            if self.gqa:
-                extra["enable_gqa"] = True
-            else:
-                group = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if self.scale:
-            extra["scale"] = scale
-        elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-            return None  # (its own scale is 1/sqrt(dim), the Llama family's)
-        try:
-            return self.fn(q, k, v, cu_lengths, cu_lengths, longest, longest, **extra)
-        except Exception as exc:
-            if not unsupported(exc):
-                raise
-            logging.getLogger("xllm_async.model").warning("varlen flash attention unusable, SDPA instead: %s", exc)
-            self.fn = None
-            return None
-
-
-# What torch says when a kernel cannot run on this build, device or shape at all ("GQA is not
-# supported with the cuDNN backend", "FlashAttention only supports Ampere GPUs or newer", "no
-# kernel image is available"): the same on every later call.
-_UNSUPPORTED = re.compile(r"not (yet )?supported|does not support|only supports?|not implemented|unsupported"
-                          r"|no kernel image", re.IGNORECASE)
-
-
-def unsupported(exc: BaseException) -> bool:
-    """Whether a kernel's failure means it cannot serve this process (a signature that moved, a
-    backend that refuses the device or the shape), not that this call failed (memory, a fault)."""
-    if isinstance(exc, torch.OutOfMemoryError):  # (a RuntimeError, whatever its message says)
-        return False
-    if isinstance(exc, (TypeError, ValueError, NotImplementedError)):  # arguments it does not take
-        return True
-    return isinstance(exc, RuntimeError) and _UNSUPPORTED.search(str(exc)) is not None

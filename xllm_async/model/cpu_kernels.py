@@ -28,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 
 import torch
+
+from .cpu_features import bfloat16_units, cpu_identity
 
 log = logging.getLogger("xllm_async.cpu_kernels")
 
@@ -70,26 +71,13 @@ _float32_fused = False  # whether the elementwise kernels take float32 here (the
 _failure: str | None = None  # why the library did not load, where it did not
 # The instruction sets our library is built for (torch.ops.xllm.linear_isa), as start-up names them.
 ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
-# Each as /proc/cpuinfo's flags name what it needs (AMX: its tiles and their bfloat16 products).
-_ISA_FLAGS = {"amx": ("amx_tile", "amx_bf16"), "avx512_bf16": ("avx512_bf16",)}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def instruction_sets() -> list[str]:
     """The instruction sets our kernels are written for that this CPU has, best first: "amx",
-    "avx512_bf16". Where it has either, -march=native builds every kernel."""
-    flags = set(_cpu_flags().split())
-    return [isa for isa, needs in _ISA_FLAGS.items() if all(flag in flags for flag in needs)]
+    "avx512_bf16" (its bfloat16 units: cpu_features.py). Where it has either, -march=native builds
+    every kernel."""
+    return bfloat16_units()
 
 
 def library_path() -> str:
@@ -100,7 +88,7 @@ def library_path() -> str:
             with open(os.path.join(CSRC, name), "rb") as f:
                 digest.update(f.read())
     digest.update(torch.__version__.encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(cpu_identity().encode())
     return os.path.join(_build_dir(), f"cpu_kernels-{digest.hexdigest()[:16]}.so")
 
 

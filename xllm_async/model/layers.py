@@ -1,9 +1,12 @@
 """The small layers a Llama-family decoder is made of, written for serving:
-inputs are packed token rows [tokens, hidden], never [batch, seq, hidden]."""
+inputs are packed token rows [tokens, hidden], never [batch, seq, hidden]; and a
+decoder layer's arithmetic, once (layer_inputs and layer_output over a LayerPlan),
+on the fused kernels or on PLAIN_OPS, the same operations in torch's operators."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +44,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.fused.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        return (self.fused or PLAIN_OPS).rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch's operators, in float32 as transformers computes it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    normed = F.rms_norm(x.float(), weight.shape, None, eps)
+    return weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,6 +85,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None,
+         eps: float) -> torch.Tensor:
+    """x's heads normed (where norm_weight is given: Qwen3's q/k norm), then rotated."""
+    return apply_rotary(x if norm_weight is None else rms_norm(x, norm_weight, eps), cos, sin)
+
+
+def add_rms_norm(attn: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it: (x + attn, its norm)."""
+    x = x + attn
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# The fused kernels' operations (torch.ops.xllm, gpu_kernels.OPS) in torch's operators: the layer's
+# arithmetic (llama.layer_inputs, layer_output) runs on these where no fused kernels serve. The rotary
+# tables they take are RotaryEmbedding.lookup's unfused ones.
+PLAIN_OPS = SimpleNamespace(rms_norm=rms_norm, rope=rope, add_rms_norm=add_rms_norm, silu_mul=silu_mul)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.x's frequency scaling: long wavelengths slowed by factor, short ones kept."""
     factor = scaling["factor"]
@@ -107,8 +137,7 @@ class GatedMlp(nn.Module):
         """The MLP of x's rows, + residual where given (the layer's residual add, made as each chunk
         of rows is written rather than in a pass of its own over a prompt's rows)."""
         if not self.fused:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            out = self.down(F.silu(gate) * up)
+            out = self.down.forward(silu_mul(self.gate_up.forward(x)))
             return out if residual is None else residual + out
         # (a decode step's few rows never chunk: no arithmetic for them, per layer per token)
         if self.chunked and x.shape[0] > CHUNK_ROW_STEP:
@@ -120,4 +149,57 @@ class GatedMlp(nn.Module):
 
     def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP of these rows on the fused SiLU x up kernel."""
-        return self.down(self.fused.silu_mul(self.gate_up(x)))
+        # (each linear's forward called directly: a small step's host time is in such calls)
+        return self.down.forward(self.fused.silu_mul(self.gate_up.forward(x)))
+
+
+def norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    """The fused rotary kernel's optional per-head norm: its weight and epsilon."""
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
+
+
+class LayerPlan:
+    """A decoder layer (llama.DecoderLayer) as its arithmetic reads it: the operations' namespace
+    (the fused kernels', or PLAIN_OPS), its weights and shapes, and its linears' and MLP's forwards
+    (called directly: whatever Linear holds, packed or quantized, its forward computes), read once,
+    so that a step of a few rows spends no host time on module calls and look-ups (llama.SmallStep)."""
+
+    __slots__ = ("ops", "layer", "in_weight", "in_eps", "qkv", "sizes", "q_shape", "kv_shape", "q_norm", "q_eps",
+                 "k_norm", "k_eps", "scale", "o", "post_weight", "post_eps", "mlp")
+
+    def __init__(self, layer) -> None:
+        attn = layer.attn
+        self.ops = layer.fused or PLAIN_OPS
+        self.layer, self.scale = attn.layer, attn.scale
+        self.in_weight, self.in_eps = layer.input_norm.weight, layer.input_norm.eps
+        self.qkv, self.o, self.mlp = attn.qkv.forward, attn.o.forward, layer.mlp.forward
+        self.sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        self.q_shape, self.kv_shape = (-1, attn.heads, attn.head_dim), (-1, attn.kv_heads, attn.head_dim)
+        self.q_norm, self.q_eps = norm_args(attn.q_norm)
+        self.k_norm, self.k_eps = norm_args(attn.k_norm)
+        self.post_weight, self.post_eps = layer.post_attention_norm.weight, layer.post_attention_norm.eps
+
+
+# A decoder layer's arithmetic, written once: every forward runs its layers through these two
+# (llama.CausalLM.forward through DecoderLayer, the graph pieces likewise, SmallStep directly); only
+# csrc/small_step.cpp repeats them, natively, tested bit for bit against them.
+
+def layer_inputs(p: LayerPlan, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's first half: its input rows -> q [rows, heads, dim], k, v [rows, kv_heads, dim],
+    normed and rotated. x may carry padding rows after the batch's tokens (CausalLM.pad_rows): the
+    projection takes them, nothing after it."""
+    ops = p.ops
+    qkv = p.qkv(ops.rms_norm(x, p.in_weight, p.in_eps))
+    if qkv.shape[0] != cos.shape[0]:
+        qkv = qkv[:cos.shape[0]]
+    q, k, v = qkv.split_with_sizes(p.sizes, -1)
+    return (ops.rope(q.view(p.q_shape), cos, sin, p.q_norm, p.q_eps),
+            ops.rope(k.view(p.kv_shape), cos, sin, p.k_norm, p.k_eps), v.view(p.kv_shape))
+
+
+def layer_output(p: LayerPlan, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The layer's second half: its input rows and their attention [rows, heads * dim] -> its output
+    rows (the o projection, the residual add and the norm, the MLP and its residual add)."""
+    x, normed = p.ops.add_rms_norm(p.o(attn), x, p.post_weight, p.post_eps)
+    return p.mlp(normed, x)

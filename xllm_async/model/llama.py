@@ -3,7 +3,7 @@
 They differ in three switches: Qwen2 has biases on q/k/v, Qwen3 normalises
 each head's queries and keys, Llama may have biases anywhere. Everything else
 (fused QKV, fused gate/up, rotary halves, RMSNorm, tied embeddings) is shared.
-A forward takes packed token rows and an attention context (attention.py)
+A forward takes packed token rows and a forward context (forward_context.py)
 and returns the final hidden states of the rows that need logits; the LM head
 is a separate call so that beam search can compute only the tokens it may take.
 """
@@ -18,7 +18,17 @@ from torch import nn
 
 from . import quantized
 from .cpu_linear import EXACT_ROWS, PackedWeight, packed_linear, rows_padded
-from .layers import GatedMlp, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import (
+    PLAIN_OPS,
+    GatedMlp,
+    LayerPlan,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    layer_inputs,
+    layer_output,
+    norm_args,
+)
 from .quantized import QuantWeight
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -59,16 +69,10 @@ class ModelShape:
         return None
 
 
-def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
-    """The fused rotary kernel's optional per-head norm: its weight and epsilon."""
-    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
-
-
 class Attention(nn.Module):
-    """An attention block's weights: project() makes its q, k, v, o projects its output; the
-    attention between them is the forward's context's (DecoderLayer.forward)."""
-
-    fused = None  # set by use_fused_kernels: q/k norm and rotary in one kernel each
+    """An attention block's weights and shapes: its q, k, v projection (one fused linear), its output
+    projection, Qwen3's per-head norms. The arithmetic around them is layer_inputs' and layer_output's;
+    the attention between them the forward's context's."""
 
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
@@ -82,26 +86,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.eps) if shape.qk_norm else None
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden rows -> q [rows, heads, dim], k, v [rows, kv_heads, dim], rotated."""
-        rows = cos.shape[0]  # the batch's tokens: x may carry padding rows after them (CausalLM.forward)
-        q, k, v = self.qkv(x)[:rows].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
-        if self.fused:
-            q = self.fused.rope(q, cos, sin, *_norm_args(self.q_norm))
-            k = self.fused.rope(k, cos, sin, *_norm_args(self.k_norm))
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v
-
 
 class DecoderLayer(nn.Module):
-    fused = None  # set by use_fused_kernels: the residual add and the norm after it in one pass
+    fused = None  # set by use_fused_kernels: the kernels' namespace (else PLAIN_OPS)
 
     def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
@@ -109,35 +96,35 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(shape, layer)
         self.post_attention_norm = RMSNorm(shape.hidden, shape.eps)
         self.mlp = GatedMlp(shape.hidden, shape.intermediate, shape.mlp_bias)
+        self._plan: LayerPlan | None = None
+
+    def plan(self) -> LayerPlan:
+        """This layer's LayerPlan, made at its first forward (after the weights are loaded and laid
+        out) and again when its kernels change (tests switch them off and on)."""
+        if self._plan is None or self._plan.ops is not (self.fused or PLAIN_OPS):
+            self._plan = LayerPlan(self)
+        return self._plan
 
     def to_attention(self, x: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's first half: its input rows -> q, k, v (Attention.project)."""
-        return self.attn.project(self.input_norm(x), cos, sin)
+        return layer_inputs(self.plan(), x, cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The layer's second half: its input rows and their attention [rows, heads * dim] -> its
-        output rows (the o projection, the residual add, the norm, the MLP and its residual add)."""
-        attn = self.attn.o(attn)
-        if self.fused:
-            x, normed = self.fused.add_rms_norm(attn, x, self.post_attention_norm.weight,
-                                                self.post_attention_norm.eps)
-            return self.mlp(normed, residual=x)
-        x = x + attn
-        return x + self.mlp(self.post_attention_norm(x))
+        return layer_output(self.plan(), x, attn)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, keep=None) -> torch.Tensor:
         """Both halves around the context's attention (the graph pieces run them apart:
         runtime/graphs.py). keep: on the last layer of a prefill, the rows that need logits."""
-        q, k, v = self.to_attention(x, cos, sin)
-        attn = ctx.attend(self.attn.layer, q, k, v, self.attn.scale)
+        plan = self.plan()
+        q, k, v = layer_inputs(plan, x, cos, sin)
+        attn = ctx.attend(plan.layer, q, k, v, plan.scale)
         if keep is not None:  # only the rows that need logits go on
             x = x[keep]
             if not ctx.last_only:  # scoring: attention ran for every row, the kept ones go on
                 attn = attn[keep]
         elif attn.shape[0] < x.shape[0]:  # x's padding rows (CausalLM.pad_rows) again, as zeros
             attn = F.pad(attn, (0, 0, 0, x.shape[0] - attn.shape[0]))
-        return self.after_attention(x, attn)
+        return layer_output(plan, x, attn)
 
 
 class CausalLM(nn.Module):
@@ -221,12 +208,11 @@ class CausalLM(nn.Module):
 
 
 class SmallStep:
-    """A step of a few rows (a decode step, a beam round) on the fused kernels, each layer its
-    kernels' calls and nothing else: the generic forward's module calls, attribute look-ups and
-    branches (padding rows, MLP chunks, the rows kept for logits) cost a small step more host time
-    than its elementwise kernels. The same operations in the same order, so the same answers. Each
-    layer's weights and shapes are read once into a flat tuple; the linears are called through
-    their forward (whatever layers.Linear holds, its forward computes)."""
+    """A step of a few rows (a decode step, a beam round) on the fused kernels: the layers' arithmetic
+    (layer_inputs, layer_output) over their LayerPlans in a plain loop, without the generic forward's
+    module calls and branches (padding rows, the rows kept for logits), which cost a small step more
+    host time than its elementwise kernels; or, where it can run, the whole loop natively in one call
+    (csrc/small_step.cpp: the same operations in the same order, so the same answers)."""
 
     __slots__ = ("ops", "layers", "norm", "native")
 
@@ -234,15 +220,7 @@ class SmallStep:
         self.ops = model.fused
         self.norm = (model.norm.weight, model.norm.eps)
         self.native = _native_plan(model)
-        self.layers = []
-        for layer in model.layers:
-            attn, mlp = layer.attn, layer.mlp
-            self.layers.append((
-                attn.layer, layer.input_norm.weight, layer.input_norm.eps, attn.qkv.forward,
-                [attn.q_size, attn.kv_size, attn.kv_size], (-1, attn.heads, attn.head_dim),
-                (-1, attn.kv_heads, attn.head_dim), *_norm_args(attn.q_norm), *_norm_args(attn.k_norm),
-                attn.scale, attn.o.forward, layer.post_attention_norm.weight, layer.post_attention_norm.eps,
-                mlp.gate_up.forward, mlp.down.forward))
+        self.layers = [layer.plan() for layer in model.layers]
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx,
             between_layers: Callable[[], None] | None) -> torch.Tensor:
@@ -257,19 +235,13 @@ class SmallStep:
             if between_layers is not None:
                 between_layers()
             return x
-        ops = self.ops
-        rms_norm, rope, add_rms_norm, silu_mul, attend = ops.rms_norm, ops.rope, ops.add_rms_norm, ops.silu_mul, \
-            ctx.attend
-        for (layer, in_weight, in_eps, qkv, sizes, q_shape, kv_shape, q_norm, q_eps, k_norm, k_eps, scale, o,
-             post_weight, post_eps, gate_up, down) in self.layers:
-            q, k, v = qkv(rms_norm(x, in_weight, in_eps)).split_with_sizes(sizes, -1)
-            attn = attend(layer, rope(q.view(q_shape), cos, sin, q_norm, q_eps),
-                          rope(k.view(kv_shape), cos, sin, k_norm, k_eps), v.view(kv_shape), scale)
-            x, normed = add_rms_norm(o(attn), x, post_weight, post_eps)
-            x = down(silu_mul(gate_up(normed))).add_(x)  # (x + mlp: addition commutes, bit for bit)
+        attend = ctx.attend
+        for plan in self.layers:
+            q, k, v = layer_inputs(plan, x, cos, sin)
+            x = layer_output(plan, x, attend(plan.layer, q, k, v, plan.scale))
             if between_layers is not None:
                 between_layers()
-        return rms_norm(x, *self.norm)
+        return self.ops.rms_norm(x, *self.norm)
 
 
 # Whether decode steps run their layer loop natively where they can (SmallStep.native); tests and
@@ -298,8 +270,8 @@ def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float, 
             else:
                 return None
         qkv, o, gate_up, down = linears
-        q_norm, q_eps = _norm_args(attn.q_norm)
-        k_norm, k_eps = _norm_args(attn.k_norm)
+        q_norm, q_eps = norm_args(attn.q_norm)
+        k_norm, k_eps = norm_args(attn.k_norm)
         weights += [layer.input_norm.weight, qkv, attn.qkv.bias, q_norm, k_norm, o, attn.o.bias,
                     layer.post_attention_norm.weight, gate_up, mlp.gate_up.bias, down, mlp.down.bias]
         eps += [layer.input_norm.eps, q_eps, k_eps, layer.post_attention_norm.eps]
@@ -318,7 +290,7 @@ def use_fused_kernels(model: nn.Module, ops=None, chunk_mlp: bool = False) -> No
     (cpu_linear.in_chunks: for a CPU core's cache)."""
     ops = ops if ops is not None else torch.ops.xllm
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMlp, CausalLM)):
+        if isinstance(module, (RMSNorm, DecoderLayer, GatedMlp, CausalLM)):
             module.fused = ops
         if isinstance(module, GatedMlp):
             module.chunked = chunk_mlp

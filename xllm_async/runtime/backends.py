@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from ..model import attention_backends as attention
 from ..model import cpu_kernels, cpu_linear, gpu_kernels
+from ..model.attention_backends import (
+    AttentionBackend,
+    CpuKernelAttention,
+    CudaFlashAttention,
+    MaskedSdpaAttention,
+    SdpaAttention,
+)
+from ..model.flash_varlen import FlashVarlen
 from .device import fast_cpu_dtype
 
 
@@ -23,20 +30,20 @@ def preferred_dtype(device: torch.device) -> torch.dtype | None:
     return fast_cpu_dtype() if on_host(device) else None
 
 
-def choose_attention(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> attention.SdpaAttention:
+def choose_attention(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> AttentionBackend:
     """The attention backend for this device, dtype, head width and query heads per key head."""
     if on_host(device):
-        wanted = attention.CpuKernelAttention.takes(dtype, head_dim, group) if cpu_kernels.available() else (False,) * 3
+        wanted = CpuKernelAttention.takes(dtype, head_dim, group) if cpu_kernels.available() else (False,) * 3
         kernels = [kernel() if takes else None for kernel, takes in zip(
             (cpu_kernels.varlen_attention, cpu_kernels.decode_attention, cpu_kernels.prefix_attention), wanted)]
         if not any(kernels):
-            return attention.SdpaAttention(dtype)
-        return attention.CpuKernelAttention(dtype, *kernels, cached=cpu_kernels.cached_attention())
+            return SdpaAttention(dtype)
+        return CpuKernelAttention(dtype, *kernels, cached=cpu_kernels.cached_attention())
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        flash = attention.FlashVarlen()
+        flash = FlashVarlen()
         if flash.fn is not None:
-            return attention.CudaFlashAttention(dtype, flash)
-    return attention.MaskedSdpaAttention(dtype)
+            return CudaFlashAttention(dtype, flash)
+    return MaskedSdpaAttention(dtype)
 
 
 def choose_linear(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..model.cpu_features import bfloat16_units
+
 log = logging.getLogger("xllm_async.device")
 
 
@@ -151,26 +153,14 @@ def graph_capture(device: torch.device):
     return capture
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def fast_cpu_dtype() -> torch.dtype:
     """bfloat16 where the CPU computes it natively (AMX or AVX512-BF16: prefills several times
-    faster than float32), else float32 (bfloat16 emulated is slower than float32)."""
-    flags = cpu_flags()
-    fast = {"amx_bf16", "avx512_bf16"} & flags
-    dtype = torch.bfloat16 if fast else torch.float32
+    faster than float32), else float32 (bfloat16 emulated is slower than float32). The same
+    reading of the CPU as our kernels' (model/cpu_features.py)."""
+    units = bfloat16_units()
+    dtype = torch.bfloat16 if units else torch.float32
     log.info("CPU dtype: %s (%s)", str(dtype).removeprefix("torch."),
-             "has " + ", ".join(sorted(fast)) if fast else "no AMX or AVX512-BF16")
+             "has " + ", ".join(units) if units else "no AMX or AVX512-BF16")
     return dtype
 
 

@@ -92,7 +92,7 @@ class PiecewiseGraphs:
         self.capture_seconds = time.monotonic() - started
 
     def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
-        """The model's forward of these token rows (ctx: an attention context, model/attention.py):
+        """The model's forward of these token rows (ctx: a forward context, model/forward_context.py):
         the final hidden states of every row, [rows, hidden], a view of this object's buffer
         (valid until its next forward). ctx.last is the caller's to apply."""
         n = tokens.shape[0]

@@ -1,6 +1,8 @@
 """The transformers engine: any Hugging Face causal LM our own model code does
 not cover, loaded once, batched forwards over left-padded key/value caches.
-Same interface as model_runner.ModelRunner.
+Same contract as model_runner.ModelRunner (execution/runner.py Runner), with one
+difference it declares: its beam calls' rows are the logits themselves
+(hidden_is_logits), since transformers runs the LM head inside its forward.
 
 Left padding keeps every row's last real token in the last column, so a
 prefill computes logits for that one position only, and a decode step is one
@@ -17,6 +19,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ..execution.runner import BeamPrefilled, Prefilled, Runner
 from ..model.scoring import score_prompt
 from .backends import on_host
 from .checkpoint import eos_ids, resolve_dtype
@@ -78,10 +81,13 @@ def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-class TransformersRunner:
+class TransformersRunner(Runner):
     """One model, loaded once, shared read-only by every execution thread."""
 
     engine = "transformers"
+    # The beam calls' rows are logits [rows, vocab] (float32), not hidden states: transformers'
+    # forward ends with its own LM head, so logits() here only selects columns of them.
+    hidden_is_logits = True
     packed = False  # left-padded: a batch costs rows x its longest prompt
     shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
     kv_tokens = 0  # until set_kv_cache: no budget
@@ -126,6 +132,14 @@ class TransformersRunner:
     def topk_logsumexp(self) -> None:
         return None
 
+    def match_prefix(self, prompt: list[int]):
+        """Never asked: admission matches prefixes only where caches_prefixes (False here)."""
+        raise NotImplementedError("the transformers engine has no prefix cache")
+
+    def release_prefix(self, hit) -> None:
+        """Never asked, as match_prefix()."""
+        raise NotImplementedError("the transformers engine has no prefix cache")
+
     def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
         """transformers' caches grow by concatenation, with no arena: the budget is what admission
         counts (XLLM_KV_CACHE_BYTES, or the device's default, shared by the slots), so that no
@@ -138,15 +152,15 @@ class TransformersRunner:
                  self.kv_tokens, self.token_bytes)
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0, into: KvCache | None = None,
-                between_layers=None, cached: list[int] | None = None, hits=None) -> tuple[torch.Tensor, KvCache | None]:
-        """Run the prompts; return last-position logits [rows, vocab] and, if asked
-        (capacity > 0 or into), their cache (into: merged below into's rows). between_layers is
-        never called here: transformers' forward has no place for it (cores move between steps)."""
+                between_layers=None, hits=None) -> Prefilled:
+        """Run the prompts: their last-position logits [rows, vocab] and, if asked (capacity > 0 or
+        into), their cache (into: merged below into's rows). between_layers is never called here:
+        transformers' forward has no place for it (cores move between steps). No prefix cache."""
         _, logits, kv = self._run(prompts, capacity, into, False)
-        return logits, kv
+        return Prefilled(logits, kv)
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: KvCache | None,
-                       scored: list[int | None], between_layers=None, cached: list[int] | None = None, hits=None):
+                       scored: list[int | None], between_layers=None, hits=None) -> Prefilled:
         """prefill(), and for each prompt i with scored[i] set, its PromptScores (as ModelRunner's).
         transformers computes every position's logits of the batch, [rows, longest, vocab]."""
         every, logits, kv = self._run(prompts, capacity, into, True)
@@ -154,7 +168,7 @@ class TransformersRunner:
         scores = [None if top is None else
                   score_prompt(lambda rows: rows.float(), every[i, width - len(p):width - 1], p[1:], top)
                   for i, (p, top) in enumerate(zip(prompts, scored))]
-        return logits, kv, scores
+        return Prefilled(logits, kv, None, scores)
 
     def _run(self, prompts: list[list[int]], capacity: int, into: KvCache | None, every_position: bool):
         keep_cache = bool(capacity) or into is not None
@@ -190,19 +204,22 @@ class TransformersRunner:
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None,
-                     cached: list[int] | None = None, hits=None):
-        """Returns (logits [prompts, vocab] as the "hidden states", state); logits() slices them."""
-        logits, kv = self.prefill(prompts, capacity=1 if rounds > 1 else 0, cached=cached)
-        return logits, _CopiedBeams(kv, len(prompts))
+                     hits=None) -> BeamPrefilled:
+        """The prompts' last logits [prompts, vocab] as the rows (hidden_is_logits), and their state."""
+        out = self.prefill(prompts, capacity=1 if rounds > 1 else 0)
+        return BeamPrefilled(out.logits, _CopiedBeams(out.cache, len(prompts)))
 
     def beam_decode(self, state, tokens: list[int], parents: list[int], widths: list[int],
                     between_layers=None) -> torch.Tensor:
+        """One round: the beams' next logits [beams, vocab] as the rows (hidden_is_logits)."""
         state.kv.select(parents)  # copies each parent's whole cache row, prompt included
         state.widths = widths
         return self.decode(state.kv, tokens)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """The beam calls' rows are the logits already (hidden_is_logits, float32 whatever as_float
+        says): the whole of them, only these token ids' columns, or the columns [start, end)."""
         if columns is not None:
             return hidden[:, columns[0]:columns[1]]
         return hidden if tokens is None else hidden.index_select(1, tokens)

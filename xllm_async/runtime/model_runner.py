@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..model.attention import BeamDecode, Decode, PackedPrefill
+from ..execution.runner import BeamPrefilled, Prefilled, Runner
 from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
+from ..model.forward_context import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
@@ -36,11 +37,12 @@ from .weights import load_weights
 
 log = logging.getLogger("xllm_async.model")
 
-class ModelRunner:
+class ModelRunner(Runner):
     """Our own model code, loaded once, shared read-only by every execution thread;
     each thread keeps its own key/value arena (allocated once, on first use)."""
 
     engine = "native"
+    hidden_is_logits = False  # the beam calls return final hidden states; logits() is the LM head
     packed = True  # prompts cost their own tokens, not the longest one's
     shares_beam_prompts = True  # a beam search keeps its prompt's cache once (BeamState)
 
@@ -161,26 +163,24 @@ class ModelRunner:
 
     def prefill(self, prompts: list[list[int]], capacity: int = 0,
                 into: SlabCache | None = None, between_layers: Callable[[], None] | None = None,
-                cached: list[int] | None = None, hits: list | None = None) -> tuple[torch.Tensor, SlabCache | None]:
-        """Run the prompts packed; return last-position logits [rows, vocab] and the cache.
+                hits: list | None = None) -> Prefilled:
+        """Run the prompts packed: their last-position logits [rows, vocab] and the cache.
 
         capacity > 0 keeps their keys in a cache with room for that many tokens a row;
         into appends them as new rows of an existing cache (the continuous scheduler).
-        cached: gets each prompt's tokens that came from the prefix cache, where there is one.
         hits: the prompts' match_prefix() hits from admission (a None entry, or none: matched here).
         """
-        hidden, cache, _ = self._packed(prompts, capacity, into, None, between_layers, cached, hits)
-        return self.model.logits(hidden), cache
+        hidden, cache, _, cached = self._packed(prompts, capacity, into, None, between_layers, hits)
+        return Prefilled(self.model.logits(hidden), cache, cached)
 
     def prefill_scored(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
                        scored: list[int | None], between_layers: Callable[[], None] | None = None,
-                       cached: list[int] | None = None, hits: list | None = None,
-                       ) -> tuple[torch.Tensor, SlabCache | None, list]:
+                       hits: list | None = None) -> Prefilled:
         """prefill(), and for each prompt i with scored[i] set, its PromptScores with the
         scored[i] likeliest alternatives at every position (None for the others, which may find
         a cached prefix: a scored prompt needs every position's logits, so it computes them all)."""
-        hidden, cache, ctx = self._packed(prompts, capacity, into, [k is not None for k in scored], between_layers,
-                                          cached, hits)
+        hidden, cache, ctx, cached = self._packed(prompts, capacity, into, [k is not None for k in scored],
+                                                  between_layers, hits)
         head = self.model.logits
         scores, row = [], 0
         for prompt, top in zip(prompts, scored):
@@ -190,11 +190,11 @@ class ModelRunner:
                 continue
             scores.append(score_prompt(head, hidden[row:row + len(prompt) - 1], prompt[1:], top))
             row += len(prompt)
-        return head(hidden[ctx.last_kept]), cache, scores
+        return Prefilled(head(hidden[ctx.last_kept]), cache, cached, scores)
 
     def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
-                whole: list[bool] | None, between_layers: Callable[[], None] | None, cached: list[int] | None,
-                hits: list | None) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill]:
+                whole: list[bool] | None, between_layers: Callable[[], None] | None, hits: list | None,
+                ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill, list[int] | None]:
         lengths = [len(p) for p in prompts]
         cache, first = into, 0
         if capacity or into is not None or self._slab_for_prefixes(lengths):
@@ -202,8 +202,8 @@ class ModelRunner:
             if cache is None:
                 cache = SlabCache(self._arena(), len(prompts), capacity)
             first = cache.add_rows(lengths, capacity)
-        hidden, ctx = self._prefill_rows(prompts, cache, first, whole, between_layers, cached, hits)
-        return hidden, cache, ctx
+        hidden, ctx, cached = self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
+        return hidden, cache, ctx, cached
 
     def _slab_for_prefixes(self, lengths: list[int]) -> bool:
         """Whether prompts that need no cache of their own (one token each, a single beam round) get
@@ -212,11 +212,12 @@ class ModelRunner:
         return self.prefix_store is not None and len(lengths) * max(lengths) <= self.kv_tokens
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
-                      between_layers: Callable[[], None] | None, cached: list[int] | None, held: list | None,
-                      ) -> tuple[torch.Tensor, PackedPrefill]:
-        """The prompts' forward, their keys into rows first.. of cache (None: none kept). With a prefix
-        cache, each prompt's cached prefix (held[i], else matched now) goes into its row first and
-        only the rest is computed."""
+                      between_layers: Callable[[], None] | None, held: list | None,
+                      ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
+        """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
+        prompt's tokens served from the prefix cache (None without one). With a prefix cache, each
+        prompt's cached prefix (held[i], else matched now) goes into its row first and only the rest
+        is computed."""
         store = self.prefix_store if cache is not None else None
         hits = store.claim(prompts, cache.slabs, first, whole, held) if store is not None else []
         try:
@@ -231,9 +232,7 @@ class ModelRunner:
         finally:
             if hits:
                 store.release_all(hits)
-        if cached is not None and self.prefix_store is not None:
-            cached.extend(skips)
-        return hidden, ctx
+        return hidden, ctx, (skips if self.prefix_store is not None else None)
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
                ) -> torch.Tensor:
@@ -246,11 +245,10 @@ class ModelRunner:
     # --- beam search (execution/beam.py): the prompt's keys once, each beam's own tokens apart ---
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
-                     between_layers: Callable[[], None] | None = None, cached: list[int] | None = None,
-                     hits: list | None = None):
-        """Prefill each prompt once; returns (final hidden states [prompts, hidden], BeamState).
+                     between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
+        """Prefill each prompt once: final hidden states [prompts, hidden] and their BeamState.
         widths: the most beams each request will have; rounds: the most rounds any request runs;
-        cached, hits: as prefill()'s.
+        hits: as prefill()'s.
 
         Both caches come out of this slot's arena, as admission counted them (BeamRequest):
         the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
@@ -263,8 +261,8 @@ class ModelRunner:
         if rounds > 1:
             # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
             own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        hidden, _ = self._prefill_rows(prompts, cache, 0, None, between_layers, cached, hits)
-        return hidden, BeamState(cache, lengths, own)
+        hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, hits)
+        return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
                     between_layers: Callable[[], None] | None = None) -> torch.Tensor:

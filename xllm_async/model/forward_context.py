@@ -1,7 +1,8 @@
-"""The contexts of the three kinds of forward the engine runs. Each forward gets
+"""The forward contexts: one per kind of forward the engine runs. Each forward gets
 one of these objects (built once, shared by every layer), so the model code says
-only what the model computes; the bookkeeping lives here, and the attention
-itself in the backend chosen at load (attention_backends.py).
+only what the model computes; the bookkeeping (positions, where keys go, which
+rows need logits) lives here, and the attention itself in the backend chosen at
+load (attention_backends.py's AttentionBackend), which a context calls.
 
 - PackedPrefill: prompts concatenated without padding, causal attention per
   sequence, keys written to the cache.
@@ -17,20 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention_backends import AttentionBackend, plain_attention
 from .kv_cache import SlabCache
-
-
-def _attend_few(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [batch, heads, queries, dim] against a handful of keys a query (a beam's own tokens: one
-    per round so far) -> softmax(q k^T) v and each query's log-sum-exp, in float32 operations:
-    torch's fused kernel's cost is per (batch, head) problem, and a wide beam round makes
-    hundreds of tiny ones."""
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(scale)
-    peak = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - peak).exp_()
-    total = weights.sum(dim=-1, keepdim=True)
-    return (torch.matmul(weights, values.float()) / total).to(q.dtype), peak + total.log()
 
 
 def _equal_runs(values: list) -> list[tuple]:
@@ -52,8 +41,9 @@ class PackedPrefill:
     __slots__ = ("backend", "lengths", "cached", "kv_lengths", "groups", "positions", "last", "cache", "first_row",
                  "last_only", "scoring", "last_kept", "cu_lengths", "masks")
 
-    def __init__(self, backend, lengths: list[int], device: torch.device, cache: SlabCache | None = None,
-                 first_row: int = 0, whole: list[bool] | None = None, cached: list[int] | None = None) -> None:
+    def __init__(self, backend: AttentionBackend, lengths: list[int], device: torch.device,
+                 cache: SlabCache | None = None, first_row: int = 0, whole: list[bool] | None = None,
+                 cached: list[int] | None = None) -> None:
         self.backend = backend  # (attention_backends.py)
         self.lengths = lengths
         # None where no prompt found a cached prefix; else the keys each prompt's last query sees.
@@ -107,7 +97,7 @@ class Decode:
 
     __slots__ = ("backend", "cache", "positions", "rows", "runs", "reads", "slots", "mask")
 
-    def __init__(self, backend, cache: SlabCache) -> None:
+    def __init__(self, backend: AttentionBackend, cache: SlabCache) -> None:
         self.backend = backend  # (attention_backends.py)
         self.cache = cache
         self.rows = cache.rows
@@ -133,7 +123,7 @@ class Decode:
         """What a native decode step (csrc/small_step.cpp) needs of this step's keys: the slabs,
         where each new key goes, how many each row reads; None where its attention is not our
         decode kernel (that step runs in Python)."""
-        if getattr(self.backend, "decode_kernel", None) is None:
+        if self.backend.decode_kernel is None:
             return None
         return self.cache.slabs, self.slots, self.reads
 
@@ -151,8 +141,8 @@ class BeamDecode:
 
     __slots__ = ("backend", "prompts", "prompt_lengths", "starts", "own", "step", "positions")
 
-    def __init__(self, backend, prompts: SlabCache, prompt_lengths: list[int], starts: list[int], own: torch.Tensor,
-                 step: int, device: torch.device) -> None:
+    def __init__(self, backend: AttentionBackend, prompts: SlabCache, prompt_lengths: list[int], starts: list[int],
+                 own: torch.Tensor, step: int, device: torch.device) -> None:
         self.backend = backend  # (attention_backends.py)
         self.prompts = prompts
         self.prompt_lengths = prompt_lengths
@@ -169,9 +159,13 @@ class BeamDecode:
         own_keys, own_values = self.own[layer, 0, :beams], self.own[layer, 1, :beams]  # fewer may live than fit
         own_keys[:, :, self.step] = k
         own_values[:, :, self.step] = v
-        # Stage 2 first (it is one call for every beam): each beam against its own tokens.
-        own_out, own_lse = _attend_few(q.view(beams, kv_heads, heads // kv_heads, dim),
-                                       own_keys[:, :, :self.step + 1], own_values[:, :, :self.step + 1], scale)
+        # Stage 2 first (it is one call for every beam): each beam against its own tokens, a handful
+        # a query (one per round so far), in float32 operations: torch's fused kernel's cost is per
+        # (batch, head) problem, and a wide beam round makes hundreds of tiny ones.
+        own_out, own_lse = plain_attention(q.view(beams, kv_heads, heads // kv_heads, dim).float(),
+                                           own_keys[:, :, :self.step + 1].float(),
+                                           own_values[:, :, :self.step + 1].float(), scale)
+        own_out = own_out.to(q.dtype)
         # Stage 1: all beams of a request against its prompt, merged with stage 2.
         prompt_keys, prompt_values = self.prompts.keys(layer), self.prompts.values(layer)
         outs = []
