@@ -10,6 +10,7 @@ from ..errors import ApiError
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo
 from .prompts import chat_prompt, completion_prompts
+from .structured import GrammarSpec, structured_output
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -25,7 +26,7 @@ class GenerationSpec:
     """One validated request: its prompts (token ids), parameters and output options."""
 
     __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
-                 "num_return_sequences", "scoring", "allowed_items", "excluded_items")
+                 "num_return_sequences", "scoring", "allowed_items", "excluded_items", "grammar")
 
     def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
                  num_return_sequences=1) -> None:
@@ -42,6 +43,7 @@ class GenerationSpec:
         # A beam search's filters of the item table (item ids as sent; the route resolves them).
         self.allowed_items: list[str] | None = None
         self.excluded_items: list[str] | None = None
+        self.grammar: GrammarSpec | None = None  # a structured output (api/structured.py)
 
 
 class Scoring:
@@ -112,8 +114,6 @@ def parse_chat(body: dict, model: ModelInfo) -> GenerationSpec:
     fields = Fields(body)
     _check_model(fields, model)
     _check_unsupported(body)
-    if fields.dict("response_format").get("type", "text") != "text":
-        raise bad("response_format", "Only `response_format: {\"type\": \"text\"}` is supported by this server")
     for name in ("echo", "prompt_logprobs"):
         if fields.raw(name) not in (None, False):
             raise bad(name, f"`{name}` is not supported on chat completions by this server; use /v1/completions")
@@ -174,11 +174,17 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         raise bad("user", f"`user` must be a string, got {shown(user)}")
     include_usage = stream and options.bool("include_usage", False)
     n = fields.int("n", 1, 1, model.max_n)
+    grammar = structured_output(fields)
     if beam_width is None:
         for name in ITEM_FILTERS:
             if fields.raw(name) is not None:
                 raise bad(name, f"`{name}` applies to a beam search over the item table: give `beam_width` too")
-        return GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+        spec = GenerationSpec(prompts, params, n, stream, include_usage, chat, logprobs)
+        spec.grammar = grammar
+        return spec
+    if grammar is not None:
+        raise bad(grammar.param, f"A structured output (`{grammar.param}`) does not apply to a beam search "
+                                 "(`beam_width`); leave one of them out")
     _check_beam_fields(fields, params)
     num_return = fields.int("num_return_sequences", 1, 1, min(beam_width, model.beam.max_num_return_sequences))
     if n != 1:

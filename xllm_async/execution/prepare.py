@@ -8,16 +8,19 @@ import contextlib
 
 from ..engine.request import EngineRequest, QueuedRequest
 from .detokenizer import IncrementalDetokenizer
+from .grammar import new_matcher
 from .sampling import make_generator
 
 
 def prepare(runner, request: QueuedRequest) -> None:
     """Build what stepping the request needs from its own fields, before it joins a batch
     (Engine.submit, on the loop): a generation request's detokenizer and its own random generator
-    (seeded from its `seed`); a beam search needs nothing."""
+    (seeded from its `seed`) and, with a compiled grammar, its own matcher; a beam search needs nothing."""
     if isinstance(request, EngineRequest):
         request.bind(IncrementalDetokenizer(runner.tokenizer), runner.eos_token_ids, runner.max_model_len)
         request.generator = make_generator(request.params, runner.device, request.index)
+        if request.grammar is not None:
+            request.matcher = new_matcher(request.grammar)
 
 
 _NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)
