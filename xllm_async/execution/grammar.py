@@ -7,12 +7,15 @@ module owns only when to compile, where the mask lives and which rows it covers.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
 
 import torch
 import xgrammar as xgr
+
+log = logging.getLogger("xllm_async.grammar")
 
 # Compiled grammars kept for reuse (a few MB each at most over a large vocabulary); least recently
 # used first out. Failures are kept too: a schema that fails slowly fails fast the next time.
@@ -52,6 +55,7 @@ class Grammars:
         if found is None:
             try:
                 found = _compile(compiler, kind, text)
+                _check_first_step(found, self._vocab_size)
             except Exception as exc:  # noqa: BLE001  (the library raises RuntimeError and friends)
                 found = GrammarError(_LIBRARY_PREFIX.sub("", str(exc)).strip()[:500] or type(exc).__name__)
             with self._lock:
@@ -85,6 +89,15 @@ def _compile(compiler, kind: str, text: str):
     raise GrammarError(f"unknown kind of grammar {kind!r}")
 
 
+def _check_first_step(compiled, vocab_size: int) -> None:
+    # A grammar that derives nothing (`root ::= root`) compiles, then masks every token: refuse it here,
+    # where the answer is a 400, rather than sample from a row of -inf.
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()):
+        raise GrammarError("it admits no text at all")
+
+
 def new_matcher(compiled):
     """One sequence's walk through a compiled grammar (made at admission, execution/prepare.py)."""
     return xgr.GrammarMatcher(compiled)
@@ -107,10 +120,13 @@ def mask_logits(logits: torch.Tensor, matchers: list) -> list[int]:
 
 def accept_tokens(matchers: list, rows: list[int], tokens: list[int]) -> set[int]:
     """Each constrained row's matcher takes its sampled token; the rows whose grammar is now
-    complete (it accepted a stop token, or can accept nothing more) are returned: they end."""
+    complete (it accepted a stop token) or at a dead end are returned: they end."""
     ended = set()
     for row in rows:
         matcher = matchers[row]
-        if not matcher.accept_token(tokens[row]) or matcher.is_terminated():
+        if not matcher.accept_token(tokens[row]):  # (its mask allowed nothing: a grammar at a dead end)
+            log.warning("a grammar refused the token %d its own mask allowed; its sequence ends", tokens[row])
+            ended.add(row)
+        elif matcher.is_terminated():
             ended.add(row)
     return ended
