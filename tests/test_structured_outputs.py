@@ -50,7 +50,11 @@ def assert_valid(found: list[tuple[str, str]], schema: dict) -> int:
     for text, reason in found:
         assert reason in ("stop", "length"), reason
         if reason == "stop":
-            jsonschema.validate(json.loads(text), schema)
+            try:
+                answer = json.loads(text)
+            except ValueError as exc:
+                raise AssertionError(f"not JSON ({exc}): {text!r}") from None
+            jsonschema.validate(answer, schema)
             stopped += 1
     return stopped
 
@@ -214,6 +218,22 @@ def test_requests_beside_a_slow_and_a_bad_grammar_are_answered(server):
     assert results["choice"][1]["choices"][0]["message"]["content"] in ("left", "right")
     assert results["bad"][0] == 400 and results["bad"][1]["error"]["param"] == "guided_regex"
     assert results["slow"][0] in (200, 400), results["slow"]  # (400: it outlived the compile limit)
+
+
+def test_a_bounded_string_refuses_raw_control_characters():
+    from transformers import AutoTokenizer
+
+    from xllm_async.execution.grammar import Grammars, new_matcher
+    from xllm_async.random_model import qwen3_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    grammars = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    compiled = grammars.compile("json", json.dumps({"type": "string", "minLength": 1, "maxLength": 3}))
+    assert not new_matcher(compiled).accept_string('"a\tb')  # (xgrammar's own bounded string lets a tab in)
+    assert not new_matcher(compiled).accept_string('""')
+    assert not new_matcher(compiled).accept_string('"abcd')
+    matcher = new_matcher(compiled)
+    assert matcher.accept_string('"a\u00e9b"') and matcher.is_completed()
 
 
 class Verdict(BaseModel):
