@@ -134,7 +134,7 @@ TEMPLATE_KWARGS = st.one_of(st.dictionaries(st.sampled_from(["enable_thinking", 
                                             st.one_of(st.booleans(), NESTED), max_size=2), WRONG)
 
 # Structured outputs (api/structured.py): specs that compile, that do not, that compile slowly
-# (minLength of thousands: seconds), and other kinds; each distinct one is compiled once (cached).
+# (a minLength of thousands: a long automaton), and other kinds; each distinct one is compiled once (cached).
 SCHEMA = st.one_of(st.sampled_from([
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
     {"type": "string", "maxLength": 3}, {}, {"enum": []}, {"type": 5}, {"$ref": "#/nope"},

@@ -17,9 +17,10 @@ import xgrammar as xgr
 
 log = logging.getLogger("xllm_async.grammar")
 
-# Compiled grammars kept for reuse (a few MB each at most over a large vocabulary); least recently
-# used first out. Failures are kept too: a schema that fails slowly fails fast the next time.
+# Compiled grammars kept for reuse (from under a kilobyte to a few MB each over a large vocabulary),
+# least recently used first out. Failures are kept too: a schema that fails slowly fails fast the next time.
 CACHED_GRAMMARS = 128
+CACHED_BYTES = 256 << 20
 # Threads xgrammar may use inside one compilation: this machine's cores are the model's.
 COMPILE_THREADS = 2
 # xgrammar's messages start with "[hh:mm:ss] /path/to/file.cc:83: " (and sometimes a failed check).
@@ -41,6 +42,7 @@ class Grammars:
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def compile(self, kind: str, text: str):
@@ -59,18 +61,27 @@ class Grammars:
             except Exception as exc:  # noqa: BLE001  (the library raises RuntimeError and friends)
                 found = GrammarError(_LIBRARY_PREFIX.sub("", str(exc)).strip()[:500] or type(exc).__name__)
             with self._lock:
-                self._cache[key] = found
-                while len(self._cache) > CACHED_GRAMMARS:
-                    self._cache.popitem(last=False)
+                if key not in self._cache:  # (another thread may have compiled the same spec meanwhile)
+                    self._cache[key] = found
+                    self._cached_bytes += _size(found)
+                while len(self._cache) > CACHED_GRAMMARS or self._cached_bytes > CACHED_BYTES:
+                    self._cached_bytes -= _size(self._cache.popitem(last=False)[1])
         if isinstance(found, GrammarError):
-            raise found
+            raise GrammarError(str(found))  # (a fresh one: the cached one may be raised on another thread too)
         return found
 
     def _new_compiler(self):
-        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                  stop_token_ids=self._stop_token_ids or None)
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                      stop_token_ids=self._stop_token_ids or None)
+        except Exception as exc:  # noqa: BLE001
+            raise GrammarError(f"this server's tokenizer cannot be read by xgrammar ({exc})") from None
         # Our own cache stands in front of it, and keeps failures as well.
         return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+
+
+def _size(entry) -> int:
+    return 0 if isinstance(entry, GrammarError) else entry.memory_size_bytes
 
 
 def _compile(compiler, kind: str, text: str):
