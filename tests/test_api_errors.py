@@ -94,7 +94,7 @@ BAD_CHATS = [
     ({"messages": [{**HI, "name": 5}]}, "messages[0].name"),
     ({"messages": [HI, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id"),
     ({"messages": [{**HI, "tool_calls": []}]}, "messages[0].tool_calls"),
-    ({"messages": [HI], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [HI], "response_format": {"type": "json_schema"}}, "response_format"),
     ({"messages": [HI], "response_format": "json"}, "response_format"),
     ({"messages": [HI], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": [HI], "stream_options": {"include_usage": True}}, "stream_options"),

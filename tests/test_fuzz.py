@@ -147,6 +147,25 @@ TEMPLATE_KWARGS = st.one_of(st.dictionaries(st.sampled_from(["enable_thinking", 
                                                             "return_dict", "continue_final_message", "x"]),
                                             st.one_of(st.booleans(), NESTED), max_size=2), WRONG)
 
+# Structured outputs (api/structured.py): specs that compile, that do not, that compile slowly
+# (a minLength of thousands: a long automaton), and other kinds; each distinct one is compiled once (cached).
+SCHEMA = st.one_of(st.sampled_from([
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+    {"type": "string", "maxLength": 3}, {}, {"enum": []}, {"type": 5}, {"$ref": "#/nope"},
+    {"type": "string", "minLength": 3000}, "{not json", '{"type": "boolean"}']), WRONG)
+REGEX = st.one_of(st.sampled_from(["[ab]{1,3}", "((", "", "(ab){300}", "[z-a]", "\\", "x" * 70_000]), WRONG)
+CHOICES = st.one_of(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3), st.just([]), WRONG)
+GRAMMAR = st.one_of(st.sampled_from(['root ::= "x" | "y"', "root ::= (", "root ::= root", 'root ::= "a"+', ""]),
+                    WRONG)
+RESPONSE_FORMAT = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+                          optional={"json_schema": st.one_of(st.fixed_dictionaries(
+                              {"name": strings(6)}, optional={"schema": SCHEMA, "strict": bools()}), WRONG)}),
+    WRONG)
+STRUCTURED = st.one_of(st.dictionaries(
+    st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "structural_tag"]),
+    st.one_of(SCHEMA, REGEX, CHOICES, GRAMMAR, bools()), max_size=2), WRONG)
+
 # Every field api/requests.py reads (test_the_field_table_covers_every_field_the_api_reads keeps this in
 # step), with its whole range and past it: a seed of any 64-bit value, a beam search of any rounds
 # (XLLM_MAX_BEAM_ROUNDS bounds them; beyond, 400), item filters on a server without a table (400).
@@ -182,6 +201,12 @@ COMMON = {
     "presence_penalty": floats(-2.0, 2.0, st.sampled_from([-2.0, 0.0, 1.0])),
     "frequency_penalty": floats(-2.0, 2.0, st.sampled_from([0.0, 0.5, 2.0])),
     "repetition_penalty": floats(0.0, 3.0, st.sampled_from([0.5, 1.0, 1.3])),
+    "response_format": RESPONSE_FORMAT,
+    "structured_outputs": STRUCTURED,
+    "guided_json": SCHEMA,
+    "guided_regex": REGEX,
+    "guided_choice": CHOICES,
+    "guided_grammar": GRAMMAR,
 }
 COMPLETION_FIELDS = {
     **COMMON,
@@ -195,7 +220,6 @@ CHAT_FIELDS = {
     **{name: unsupported(behaviour) for name, behaviour in neutral_values(chat=True).items()},
     "add_generation_prompt": bools(),
     "chat_template_kwargs": TEMPLATE_KWARGS,
-    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}), WRONG),
     "logprobs": bools(),
     "top_logprobs": ints(0, MAX_LOGPROBS, st.integers(0, 3)),
     "max_completion_tokens": ints(1, TINY_CONTEXT, st.integers(1, 8)),

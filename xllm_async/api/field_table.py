@@ -81,7 +81,7 @@ RULES = [
     R("frequency_penalty", IMPLEMENTED, theirs="vLLM/SGLang: penalty by count in the output"),
     R("presence_penalty", IMPLEMENTED, theirs="vLLM/SGLang: penalty once present in the output"),
     R("logit_bias", IMPLEMENTED, theirs="vLLM/SGLang: token id -> bias added to its logit"),
-    R("response_format", Neutral({"type": "text"}), theirs="json_object / json_schema / structural_tag: "
+    R("response_format", IMPLEMENTED, theirs="json_object / json_schema / structural_tag: "
       "constrained decoding"),
     R("tools", Neutral([]), theirs="chat: tool definitions for the template and tool-call parsing"),
     R("tool_choice", Neutral("none", "auto"), theirs="chat: which tool must be called"),
@@ -122,9 +122,9 @@ RULES = [
     R("chat_template", None, REFUSED, theirs="vLLM: a template of the request's own"),
     R("chat_template_kwargs", None, IMPLEMENTED, theirs="the template's own variables"),
     R("mm_processor_kwargs", None, REFUSED, theirs="vLLM: multimodal processor options"),
-    R("structured_outputs", REFUSED, theirs=GUIDED + ": json, regex, choice, grammar"),
-    R("guided_json", REFUSED, theirs=GUIDED), R("guided_regex", REFUSED, theirs=GUIDED),
-    R("guided_choice", REFUSED, theirs=GUIDED), R("guided_grammar", REFUSED, theirs=GUIDED),
+    R("structured_outputs", IMPLEMENTED, theirs=GUIDED + ": json, regex, choice, grammar"),
+    R("guided_json", IMPLEMENTED, theirs=GUIDED), R("guided_regex", IMPLEMENTED, theirs=GUIDED),
+    R("guided_choice", IMPLEMENTED, theirs=GUIDED), R("guided_grammar", IMPLEMENTED, theirs=GUIDED),
     R("guided_decoding_backend", REFUSED, theirs=GUIDED + ": which library"),
     R("guided_whitespace_pattern", REFUSED, theirs=GUIDED + ": JSON whitespace"),
     R("structural_tag", REFUSED, theirs=GUIDED + ": tagged regions"),

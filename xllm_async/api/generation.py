@@ -18,6 +18,7 @@ from .items import ItemFilter, ItemTable
 from .model_info import ModelInfo
 from .requests import GenerationSpec
 from .responses import DONE, Choice, ResponseShape, token_id_text
+from .structured import compiled_grammar
 from .vllm_beams import ended_at_eos
 
 # How a sequence that ended without finishing is answered.
@@ -41,7 +42,12 @@ async def generate(engine: Engine, model: ModelInfo, items: ItemTable | None, re
         requests = [BeamRequest(i, prompt, spec.beam_width, spec.params.max_tokens, stream, trie, leaves)
                     for i, prompt in enumerate(spec.prompts)]
     else:
+        # Compiled before anything is submitted: a grammar that fails answers 400 here, and one still
+        # compiling holds no place in a batch.
+        grammar = None if spec.grammar is None else await compiled_grammar(engine, spec.grammar)
         requests = [EngineRequest(i, spec.prompts[i // spec.n], spec.params, stream) for i in range(num)]
+        for req in requests:
+            req.grammar = grammar
         if spec.params.prompt_logprobs is not None and spec.n > 1:
             # A prompt is scored once: its first choice's scores serve its other choices.
             unscored = copy.copy(spec.params)

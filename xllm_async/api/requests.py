@@ -11,6 +11,7 @@ from .field_table import check_fields
 from .fields import Fields, bad, is_int, shown
 from .model_info import LONG_TEXT, ModelInfo
 from .prompts import chat_prompt, completion_prompts
+from .structured import GrammarSpec, structured_output
 from .token_controls import token_controls, used_controls
 from .vllm_beams import read_use_beam_search
 
@@ -23,7 +24,7 @@ class GenerationSpec:
 
     __slots__ = ("prompts", "params", "n", "stream", "include_usage", "chat", "top_logprobs", "beam_width",
                  "num_return_sequences", "scoring", "allowed_items", "excluded_items", "beams_stop_at_eos",
-                 "tokens_as_ids")
+                 "tokens_as_ids", "grammar")
 
     def __init__(self, prompts, params, n, stream, include_usage, chat, top_logprobs, beam_width=None,
                  num_return_sequences=1) -> None:
@@ -42,6 +43,7 @@ class GenerationSpec:
         self.excluded_items: list[str] | None = None
         self.beams_stop_at_eos = False  # vLLM's use_beam_search without ignore_eos: answers end at EOS
         self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
+        self.grammar: GrammarSpec | None = None  # a structured output (api/structured.py)
 
 
 class Scoring:
@@ -177,6 +179,7 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
     if options.bool("continuous_usage_stats", False):  # (vLLM's: usage in every chunk)
         raise bad("stream_options", "`stream_options.continuous_usage_stats` is not supported by this server")
     tokens_as_ids = fields.bool("return_tokens_as_token_ids", False)
+    grammar = structured_output(fields)
     if beam_width is None:
         for name in ITEM_FILTERS:
             if fields.raw(name) is not None:
@@ -184,7 +187,11 @@ def _spec(fields: Fields, model: ModelInfo, prompts: list[list[int]], max_tokens
         spec = GenerationSpec(prompts, params, fields.int("n", 1, 1, model.max_n), stream, include_usage, chat,
                               logprobs)
         spec.tokens_as_ids = tokens_as_ids
+        spec.grammar = grammar
         return spec
+    if grammar is not None:
+        raise bad(grammar.param, f"A structured output (`{grammar.param}`) does not apply to a beam search "
+                                 "(`beam_width`); leave one of them out")
     _check_beam_fields(fields, params)
     if vllm_beams is not None:
         num_return = beam_width  # n sequences of n beams, best first

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from ..metrics import Gauge, Metrics, PerSlot
 from .budget import BatchBudget
@@ -15,6 +16,9 @@ from .request import Delta, QueuedRequest
 from .scheduler import Scheduler
 
 log = logging.getLogger("xllm_async.engine")
+
+# Grammars compiling at once (structured outputs): a slow one holds a thread, not the loop or a batch.
+GRAMMAR_THREADS = 2
 
 
 class EngineFull(Exception):
@@ -42,6 +46,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.unfinished: set[QueuedRequest] = set()  # admitted, not yet finished or aborted
         self._loop = asyncio.get_running_loop()
+        self._grammar_threads = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="xllm-grammar")
         self.budget = budget = BatchBudget(max_seqs_per_batch, max_tokens_per_batch, runner.packed,
                                            runner.kv_tokens, runner.shares_beam_prompts,
                                            runner if runner.caches_prefixes else None)
@@ -64,6 +69,11 @@ class Engine:
         self.metrics.add(PerSlot("slot_batches_total", "Prefill batches each execution slot ran.",
                                  "counter", lambda: [s.batches_run for s in slots]))
         self.scheduler.start()
+
+    def compile_grammar(self, kind: str, text: str) -> asyncio.Future:
+        """A structured output's grammar compiled on a thread of its own (execution/grammar.py): the
+        caller awaits it before submit(), so that a grammar still compiling never holds up a batch."""
+        return self._loop.run_in_executor(self._grammar_threads, self.execution.compile_grammar, kind, text)
 
     def submit(self, requests: list[QueuedRequest]) -> None:
         """Queue the sequences of one API request; all of them or none."""
@@ -113,6 +123,7 @@ class Engine:
         return True
 
     async def stop(self) -> None:
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         await self.scheduler.stop()
         for slot in self.slots:
             await asyncio.to_thread(slot.stop)

@@ -59,7 +59,8 @@ class EngineRequest(QueuedRequest):
     """A prompt, its sampling parameters and its generation state."""
 
     __slots__ = ("params", "generator", "controls", "output_ids", "text", "prompt_scores", "_sent", "_detok", "_hold",
-                 "_eos", "_max_len", "_stop_floor")
+                 "_eos", "_max_len", "_stop_floor",
+                 "grammar", "matcher")  # structured outputs (execution/grammar.py)
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         super().__init__(index, prompt_ids, sink)
@@ -78,6 +79,10 @@ class EngineRequest(QueuedRequest):
         # The text made before min_tokens tokens: a stop string must end past it (as vLLM honours
         # no stop string before min_tokens; the sampler masks stop tokens until then).
         self._stop_floor = 0
+        # Set by the API: its compiled grammar (opaque here); the matcher that walks it is made at
+        # admission (execution/prepare.py) and masks every step's logits.
+        self.grammar = None
+        self.matcher = None
 
     @property
     def max_steps(self) -> int:
@@ -104,15 +109,16 @@ class EngineRequest(QueuedRequest):
         self._eos = frozenset() if self.params.ignore_eos else eos_token_ids
         self._max_len = max_model_len
 
-    def append(self, token: int, logprobs: TokenLogprobs | None) -> Delta:
-        """Record one sampled token and return what the caller gets for it.
+    def append(self, token: int, logprobs: TokenLogprobs | None, grammar_ended: bool = False) -> Delta:
+        """Record one sampled token and return what the caller gets for it; grammar_ended: the
+        request's grammar is complete with this token, which ends it as a stop token would.
 
         One delta per step, even with no text (held back, or a special token),
         so that token ids, logprobs and counts stay exact.
         """
         params = self.params
         self.output_ids.append(token)
-        if token in self._eos or token in params.stop_token_ids:
+        if grammar_ended or token in self._eos or token in params.stop_token_ids:
             self.finish_reason = "stop"
             self.text += self._detok.flush()
         else:

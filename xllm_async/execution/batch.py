@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from ..engine.request import Delta, EngineRequest
+from .grammar import accept_tokens, mask_logits
 from .prepare import admitted_prefixes
 from .runner import Runner
 from .sampling import sample
@@ -128,11 +129,14 @@ class GenerationBatch(Batch):
     def _advance(self, logits, first: int = 0) -> Items:
         """Sample the next token of rows first.. (their logits in order) and hand them out."""
         requests = self.requests[first:]
+        matchers = [r.matcher for r in requests]
+        constrained = mask_logits(logits, matchers)  # (structured outputs: their rows' grammars, in place)
         controls = [r.controls for r in requests] if self._controlled else None
         tokens, logprobs = sample(logits, [r.params for r in requests], [r.generator for r in requests], controls)
+        ended = accept_tokens(matchers, constrained, tokens) if constrained else ()
         items = []
         for row, req in enumerate(requests):
-            items.append((req, req.append(tokens[row], logprobs[row])))
+            items.append((req, req.append(tokens[row], logprobs[row], row in ended)))
         self._next_tokens = self._next_tokens[:first] + tokens
         alive = [row for row, req in enumerate(self.requests) if req.finish_reason is None]
         if len(alive) < len(self.requests):

@@ -8,6 +8,7 @@ import contextlib
 
 from ..engine.request import EngineRequest, QueuedRequest
 from .detokenizer import IncrementalDetokenizer
+from .grammar import new_matcher
 from .sampling import make_generator
 from .token_controls import row_controls
 
@@ -15,13 +16,16 @@ from .token_controls import row_controls
 def prepare(runner, request: QueuedRequest) -> None:
     """Build what stepping the request needs from its own fields, before it joins a batch
     (Engine.submit, on the loop): a generation request's detokenizer and its own random generator
-    (seeded from its `seed`) and its token controls' tensors; a beam search needs nothing."""
+    (seeded from its `seed`), its token controls' tensors and, with a compiled grammar, its own
+    matcher; a beam search needs nothing."""
     if isinstance(request, EngineRequest):
         params = request.params
         request.bind(IncrementalDetokenizer(runner.tokenizer), runner.eos_token_ids, runner.max_model_len)
         request.generator = make_generator(params, runner.device, request.index)
         stop_ids = params.stop_token_ids if params.ignore_eos else runner.eos_token_ids | params.stop_token_ids
         request.controls = row_controls(params.controls, request.prompt_ids, request.output_ids, stop_ids)
+        if request.grammar is not None:
+            request.matcher = new_matcher(request.grammar)
 
 
 _NO_PREFIXES = contextlib.nullcontext()  # (shared: it holds nothing, and yields None)

@@ -13,6 +13,7 @@ from ..engine.policies import short_batch
 from ..engine.request import BeamRequest, QueuedRequest
 from .batch import GenerationBatch, fail_all
 from .beam import BeamSearchBatch
+from .grammar import Grammars
 from .prepare import prepare
 
 log = logging.getLogger("xllm_async.scheduler")
@@ -23,16 +24,21 @@ class Execution:
     step loop for each slot, and what a request needs before it joins a batch (prepare.py). The
     engine calls these and imports none of them."""
 
-    __slots__ = ("runner",)
+    __slots__ = ("runner", "grammars")
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
 
     def step_loop(self, slot, deliver: Callable[[list], None], metrics=None) -> StepLoop:
         return StepLoop(self.runner, slot, deliver, metrics)
 
     def prepare(self, request: QueuedRequest) -> None:
         prepare(self.runner, request)
+
+    def compile_grammar(self, kind: str, text: str):
+        """A structured output's grammar, compiled (blocks: the engine calls it on its compile threads)."""
+        return self.grammars.compile(kind, text)
 
 
 class StepLoop:
