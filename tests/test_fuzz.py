@@ -366,8 +366,10 @@ def for_a_while(test, sent: list) -> None:
 def test_the_field_table_covers_every_field_the_api_reads():
     api = os.path.join(os.path.dirname(__file__), "..", "xllm_async", "api")
     source = ""
-    for name in sorted(os.listdir(api)):  # requests.py reads the fields; a module beside it might too
-        if name.endswith(".py"):
+    # requests.py reads the generation routes' fields; a module beside it might too. The tokenizer
+    # routes and /v1/score read bodies of their own, fuzzed beside their tests.
+    for name in sorted(os.listdir(api)):
+        if name.endswith(".py") and name not in ("tokenization.py", "score.py"):
             with open(os.path.join(api, name)) as f:
                 source += f.read()
     read = (set(re.findall(r"fields\.\w+\(\"(\w+)\"", source)) | set(neutral_values(chat=False))

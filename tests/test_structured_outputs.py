@@ -222,7 +222,7 @@ def test_requests_beside_a_slow_and_a_bad_grammar_are_answered(server):
 
 def test_a_bounded_string_refuses_raw_control_characters():
     from transformers import AutoTokenizer
-    from xllm_async.random_model import qwen3_tokenizer_dir
+    from xllm_async.testing.random_model import qwen3_tokenizer_dir
 
     from xllm_async.execution.grammar import Grammars, new_matcher
 
