@@ -1,0 +1,212 @@
+"""Ranking: candidates scored against one copy of their history, on the beam search's machinery.
+
+A score request (engine/score_request.py) is a prompt and the candidates that continue it. The
+prompt is prefilled once (Runner.beam_prefill: its keys and values stored once, the prefix cache
+serving it where on); then each round feeds every candidate that has one its next token as a
+beam whose parent is fixed (Runner.beam_decode): the candidates attend to the one copy of the
+prompt plus their own tokens (staged attention, model/attention.py's BeamDecode), never to each
+other. The final hidden state of every row a score needs goes through the LM head:
+- an item candidate (the request has the item table's trie): its token at depth d, normalised
+  over the tokens the trie allows after its prefix, exactly as BeamSearchBatch._table_tops
+  normalises (the same LM head columns, mask and float32 sums), so a beam's cumulative_logprob
+  and the candidate's score agree;
+- a token candidate: its tokens' log-probabilities over the whole vocabulary, summed;
+- with labels: the labels' log-probabilities after the candidate's last token.
+Requests of one batch share every forward, as beam requests do; a batch never takes joiners.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..engine.request import Delta
+from ..engine.score_request import ScoreRequest
+from .prepare import admitted_prefixes
+from .runner import Runner
+
+# Rows whose whole-vocabulary logits are held at once (a row of 151,936 float32 logits is 0.6 MB).
+VOCAB_ROWS = 32
+
+
+class _Group:
+    """One request's candidates as they are fed."""
+
+    __slots__ = ("request", "fed", "last", "rounds", "scores", "nodes")
+
+    def __init__(self, request: ScoreRequest, device) -> None:
+        self.request = request
+        self.fed = [request.fed(c) for c in request.candidates]  # tokens each candidate feeds
+        self.last: list[int] = []  # the candidates fed in the last round, in row order (none: the prompt's row)
+        self.rounds = 0  # decode rounds run
+        self.scores = torch.zeros(len(request.candidates), dtype=torch.float32, device=device)
+        self.nodes = np.zeros(len(request.candidates), dtype=np.int64)  # with a trie: each candidate's node
+        request.results = [None] * len(request.candidates)
+
+
+class _Read:
+    """One hidden row's scores to take: the row, its group, the candidates it serves, their depth."""
+
+    __slots__ = ("row", "group", "candidates", "depth")
+
+    def __init__(self, row: int, group: _Group, candidates: list[int], depth: int) -> None:
+        self.row = row
+        self.group = group
+        self.candidates = candidates
+        self.depth = depth
+
+
+class ScoreBatch:
+    """Score requests that step together on one execution thread; the interface StepLoop runs
+    (prefill, decode, len), each request answered once all its candidates are scored."""
+
+    __slots__ = ("runner", "requests", "groups", "state", "between_layers", "_metrics")
+
+    def __init__(self, runner: Runner, requests: list[ScoreRequest], metrics=None,
+                 between_layers: Callable[[], None] | None = None) -> None:
+        self.runner = runner
+        self.requests = requests
+        self.groups: list[_Group] = []
+        self.state = None
+        self.between_layers = between_layers
+        self._metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def prefill(self) -> list:
+        started = time.monotonic()
+        for req in self.requests:
+            req.started = started
+        prompts = [r.prompt_ids for r in self.requests]
+        cached: list[int] = []
+        with admitted_prefixes(self.runner, self.requests) as hits:
+            hidden, self.state = self.runner.beam_prefill(
+                prompts, [r.own_rows for r in self.requests], max(r.feeds for r in self.requests) + 1,
+                between_layers=self.between_layers, cached=cached, hits=hits)
+        for req, tokens in zip(self.requests, cached):
+            req.cached_tokens = tokens
+        self.groups = [_Group(req, hidden.device) for req in self.requests]
+        self._score(hidden, [_Read(i, g, list(range(len(g.fed))), 0) for i, g in enumerate(self.groups)])
+        if self._metrics is not None:
+            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), cached)
+        return self._finish_done()
+
+    def decode(self) -> list:
+        if any(g.request.aborted for g in self.groups):
+            self._keep([g for g in self.groups if not g.request.aborted])
+            if not self.groups:
+                return []
+        started = time.monotonic()
+        starts = self.state.starts
+        tokens, parents, widths, reads = [], [], [], []
+        for i, g in enumerate(self.groups):
+            step = g.rounds
+            before = g.last if step else range(len(g.fed))
+            feeding = [j for j in before if g.fed[j] > step]
+            where = {j: k for k, j in enumerate(g.last)}
+            for j in feeding:
+                reads.append(_Read(len(tokens), g, [j], step + 1))
+                tokens.append(g.request.candidates[j][step])
+                parents.append(starts[i] + (where[j] if step else 0))
+            widths.append(len(feeding))
+            g.last = feeding
+            g.rounds += 1
+        hidden = self.runner.beam_decode(self.state, tokens, parents, widths, between_layers=self.between_layers)
+        self._score(hidden, reads)
+        if self._metrics is not None:
+            self._metrics.batch_decoded(time.monotonic() - started, len(tokens))
+        return self._finish_done()
+
+    # --- scores of the rows a round computed ---
+
+    def _score(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
+        """Take what each read asks of its hidden row: a token's log-probability (added to its
+        candidate's score) or the labels' log-probabilities after a candidate's last token."""
+        wanted = []
+        for read in reads:
+            req = read.group.request
+            if req.labels is not None:
+                done = [j for j in read.candidates if len(req.candidates[j]) == read.depth]
+            else:
+                done = [j for j in read.candidates if read.depth < len(req.candidates[j])]
+            if done:
+                read.candidates = done
+                wanted.append(read)
+        by_trie: dict[int, list[_Read]] = {}
+        whole = []
+        for read in wanted:
+            trie = read.group.request.trie
+            if trie is not None and read.group.request.labels is None:
+                by_trie.setdefault(id(trie), []).append(read)
+            else:
+                whole.append(read)
+        for start in range(0, len(whole), VOCAB_ROWS):
+            self._vocab_scores(hidden, whole[start:start + VOCAB_ROWS])
+        for group in by_trie.values():
+            self._table_scores(hidden, group)
+
+    def _vocab_scores(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
+        """Over the whole vocabulary: log_softmax of each read's row, in float32."""
+        rows = torch.tensor([r.row for r in reads], device=hidden.device)
+        logits = self.runner.logits(hidden[rows], as_float=False).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        for k, read in enumerate(reads):
+            req = read.group.request
+            if req.labels is not None:
+                values = (logits[k, req.labels] - lse[k]).tolist()
+                for j in read.candidates:
+                    req.results[j] = values
+                continue
+            targets = torch.tensor([req.candidates[j][read.depth] for j in read.candidates], device=logits.device)
+            index = torch.tensor(read.candidates, device=logits.device)
+            read.group.scores.index_add_(0, index, logits[k, targets] - lse[k])
+
+    def _table_scores(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
+        """Item candidates of one table at one depth: each token's log-probability over the tokens
+        the trie allows after the candidate's prefix, as the constrained beam search computes it
+        (the LM head over the depth's tokens, the others masked, log-sum-exp in float32)."""
+        trie = reads[0].group.request.trie
+        depth = reads[0].depth
+        vocab = trie.vocab[depth]
+        # Each row's node: a decode row serves one candidate; the prompt's row, at the root, all of its own.
+        nodes = np.array([r.group.nodes[r.candidates[0]] for r in reads], dtype=np.int64)
+        expansion = trie.expand(depth, nodes)
+        rows = torch.tensor([r.row for r in reads], device=hidden.device)
+        logits = self.runner.logits(hidden[rows], vocab, as_float=False)
+        logits.masked_fill_(~expansion.mask, float("-inf"))
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        for k, read in enumerate(reads):
+            req, group = read.group.request, read.group
+            targets = torch.tensor([req.candidates[j][depth] for j in read.candidates], device=vocab.device)
+            columns = torch.searchsorted(vocab, targets)
+            index = torch.tensor(read.candidates, device=logits.device)
+            group.scores.index_add_(0, index, logits[k, columns].float() - lse[k])
+            group.nodes[read.candidates] = expansion.child[k, columns.cpu().numpy()]
+
+    # --- the end of a request ---
+
+    def _finish_done(self) -> list:
+        done = [g for g in self.groups if g.rounds >= g.request.feeds]
+        if not done:
+            return []
+        items = []
+        for g in done:
+            req = g.request
+            if req.labels is None:
+                req.results = g.scores.tolist()
+            req.finish_reason = "stop"
+            items.append((req, Delta(req.index, "", None, None, "stop")))
+        self._keep([g for g in self.groups if g.rounds < g.request.feeds])
+        return items
+
+    def _keep(self, groups: list[_Group]) -> None:
+        """Keep these groups (a subset, in order) and their caches."""
+        keep = {id(g) for g in groups}
+        indices = [i for i, g in enumerate(self.groups) if id(g) in keep]
+        self.groups = groups
+        if groups and self.state is not None:
+            self.state.keep(indices)
