@@ -22,14 +22,15 @@ KEYS = {name: key for key, name in NAMES.items()}
 
 @pytest.fixture(scope="module", params=["plain", "prefix-cache"])
 def score_server(request, tiny_model_dir, tmp_path_factory):
-    """One slot (so that requests queued behind a held forward share the next batch), 8 sequences a
-    batch (so that 10 candidates are split), the item table loaded; with and without the prefix cache."""
+    """One slot (so that requests queued behind a held forward share the next batch), 8 sequences and
+    200 prompt tokens a batch (so that a long query's many candidates are split), the item table
+    loaded; with and without the prefix cache."""
     table = tmp_path_factory.mktemp("items") / "items.tsv"
     table.write_text("".join(f"{name}\t{' '.join(map(str, key))}\n" for key, name in NAMES.items()))
     env = {"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"} if request.param == "prefix-cache" else {}
     server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--item-table", str(table),
                             "--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "1",
-                            "--max-seqs-per-batch", "8"], env=env)
+                            "--max-seqs-per-batch", "8", "--max-tokens-per-batch", "200"], env=env)
     yield server
     server.stop()
 
@@ -83,7 +84,7 @@ def score(port: int, **body):
 
 
 QUERY = random_prompts(11, [40])[0]
-TOKEN_ITEMS = random_prompts(12, [1, 3, 2, 5, 3, 1, 4, 3, 2, 3])  # 10 > 8: split across two requests
+TOKEN_ITEMS = random_prompts(12, [1, 3, 2, 5, 3, 1, 4, 3, 2, 3])
 LABELS = [15, 300, 2001, 77777]
 
 
@@ -117,8 +118,24 @@ def test_token_candidates_of_any_length_get_their_summed_logprob(score_server, r
     assert_scores(answer["scores"], expected)
 
 
+@pytest.mark.parametrize("labels", [None, LABELS])
+def test_more_candidates_than_a_batch_holds_are_split_and_all_scored(score_server, reference, labels):
+    """150 query tokens + 30 candidates' fed tokens exceed the 200-token budget: two requests of the
+    query (25 and 5 candidates), each still equal to its reference."""
+    query = random_prompts(15, [150])[0]
+    items = random_prompts(16, [3] * 30)
+    body = {"query": query, "items": items} if labels is None else {"query": query, "items": items,
+                                                                      "label_token_ids": labels}
+    answer = score(score_server.port, **body)
+    if labels is None:
+        expected = [summed_reference(reference, query, item) for item in items]
+    else:
+        expected = [label_reference(reference, query + item, labels, False) for item in items]
+    assert_scores(answer["scores"], expected)
+
+
 def test_item_ids_are_scored_as_the_constrained_beam_search_normalises(score_server, reference):
-    names = [NAMES[key] for key in ITEMS[::37]] + ["sku-5"]  # 10 items: two requests' worth
+    names = [NAMES[key] for key in ITEMS[::37]] + ["sku-5"]
     answer = score(score_server.port, query=QUERY, item_ids=names)
     expected = [item_reference(reference, QUERY, KEYS[name]) for name in names]
     assert_scores(answer["scores"], expected)

@@ -9,8 +9,8 @@ Two answers:
   tokens the table allows at each depth).
 
 The query is prefilled once and every item attends to that one copy (engine/score_request.py,
-execution/score_batch.py); items beyond a batch's sequences go in further requests of the same
-query (the prefix cache, where on, serves their prefill).
+execution/score_batch.py); items beyond one prefill's token budget go in further requests of the
+same query (_parts; the prefix cache, where on, serves their prefills).
 """
 
 from __future__ import annotations
@@ -172,12 +172,10 @@ def _shared_prefix(sequences: list[list[int]]) -> list[tuple[list[int], list[lis
 async def run_score(engine: Engine, model: ModelInfo, spec: ScoreSpec, responder: Responder) -> None:
     """Score the spec's candidates on the engine and answer."""
     stream = OutputStream(0)
-    chunk = engine.budget.max_seqs
     requests = []
     for prompt, candidates in spec.groups:
-        for start in range(0, len(candidates), chunk):
-            requests.append(ScoreRequest(len(requests), prompt, candidates[start:start + chunk], stream,
-                                         spec.labels, spec.trie))
+        for part in _parts(prompt, candidates, spec.labels is not None, engine.budget):
+            requests.append(ScoreRequest(len(requests), prompt, part, stream, spec.labels, spec.trie))
     stream.unfinished = len(requests)
     responder.record.prompt_tokens = spec.prompt_tokens
     try:
@@ -203,6 +201,23 @@ async def run_score(engine: Engine, model: ModelInfo, spec: ScoreSpec, responder
     responder.send(200, orjson.dumps({
         "id": new_id("score"), "object": "scoring", "model": model.name, "scores": results,
         "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}))
+
+
+def _parts(prompt: list[int], candidates: list[list[int]], labelled: bool, budget) -> list[list[list[int]]]:
+    """The candidates in requests of one query each: as many as fit one prefill's token budget
+    (the query once plus the tokens they feed, as admission counts them), and at least a batch's
+    sequences each, so that a query longer than the budget still carries a batch of candidates.
+    Most requests are one part: one prefill of the query, its candidates in its rounds."""
+    parts, part, tokens = [], [], len(prompt)
+    for candidate in candidates:
+        fed = len(candidate) - (0 if labelled else 1)
+        if part and tokens + fed > budget.max_tokens and len(part) >= budget.max_seqs:
+            parts.append(part)
+            part, tokens = [], len(prompt)
+        part.append(candidate)
+        tokens += fed
+    parts.append(part)
+    return parts
 
 
 def _probabilities(logprobs: list[float], softmax: bool) -> list[float]:
