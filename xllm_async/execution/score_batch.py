@@ -150,20 +150,22 @@ class ScoreBatch:
             self._table_scores(hidden, group)
 
     def _vocab_scores(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
-        """Over the whole vocabulary: log_softmax of each read's row, in float32."""
+        """Over the whole vocabulary: each read's tokens' logits less its row's log-sum-exp (float32)."""
         rows = torch.tensor([r.row for r in reads], device=hidden.device)
-        logits = self.runner.logits(hidden[rows], as_float=False).float()
-        lse = torch.logsumexp(logits, dim=-1)
+        logits = self.runner.logits(hidden[rows], as_float=False)
+        fused = self.runner.topk_logsumexp()
+        # (bfloat16 logits on our kernel: their log-sum-exp without a float32 copy of them)
+        lse = fused(logits, 1)[2] if fused is not None else torch.logsumexp(logits.float(), dim=-1)
         for k, read in enumerate(reads):
             req = read.group.request
             if req.labels is not None:
-                values = (logits[k, req.labels] - lse[k]).tolist()
+                values = (logits[k, req.labels].float() - lse[k]).tolist()
                 for j in read.candidates:
                     req.results[j] = values
                 continue
             targets = torch.tensor([req.candidates[j][read.depth] for j in read.candidates], device=logits.device)
             index = torch.tensor(read.candidates, device=logits.device)
-            read.group.scores.index_add_(0, index, logits[k, targets] - lse[k])
+            read.group.scores.index_add_(0, index, logits[k, targets].float() - lse[k])
 
     def _table_scores(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
         """Item candidates of one table at one depth: each token's log-probability over the tokens
