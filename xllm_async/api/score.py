@@ -115,9 +115,9 @@ def _encoded(model: ModelInfo, text: str, param: str, special: bool = True) -> l
 
 
 def _items(raw, query, model: ModelInfo, labelled: bool, item_first: bool):
-    """(candidates, None) where each item continues the query; (None, whole sequences) where the
-    sequences are tokenised whole (text with labels, as SGLang concatenates the texts) or the item
-    comes first."""
+    """(candidates, None) where each item's tokens continue the query's; (None, whole sequences)
+    where the sequences are tokenised whole (text with labels, as SGLang concatenates the texts) or
+    the item comes first."""
     listed = [raw] if isinstance(raw, str) else raw
     if not (isinstance(listed, list) and 0 < len(listed) <= MAX_ITEMS):
         raise bad("items", f"`items` must be a string or a list of 1 to {MAX_ITEMS} strings or token-id lists")
@@ -135,9 +135,7 @@ def _items(raw, query, model: ModelInfo, labelled: bool, item_first: bool):
         _check_ids(item, model, "items")
     if item_first:
         return None, [item + query for item in listed]
-    if labelled:
-        return None, [query + item for item in listed]
-    return listed, None
+    return listed, None  # (with labels too: each item continues the query, its answer read after it)
 
 
 def _table_items(raw, items: ItemTable | None) -> list[list[int]]:
@@ -157,13 +155,13 @@ def _table_items(raw, items: ItemTable | None) -> list[list[int]]:
 def _shared_prefix(sequences: list[list[int]]) -> list[tuple[list[int], list[list[int]]]]:
     """One prompt, the sequences' longest common prefix, and each sequence's rest; a prompt per
     sequence where they share no token."""
+    # The prefix all share is the one the least and the greatest share (list order is lexicographic,
+    # and min/max compare in C): one pair walked in Python, however many items.
+    low, high = min(sequences), max(sequences)
+    shared = 0
+    while shared < len(low) and low[shared] == high[shared]:
+        shared += 1
     first = sequences[0]
-    shared = min(len(s) for s in sequences)
-    for s in sequences[1:]:
-        n = 0
-        while n < shared and s[n] == first[n]:
-            n += 1
-        shared = n
     if shared == 0:
         return [(s, [[]]) for s in sequences]
     return [(first[:shared], [s[shared:] for s in sequences])]

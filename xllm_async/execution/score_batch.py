@@ -59,6 +59,24 @@ class _Read:
         self.depth = depth
 
 
+def _entries(reads: list[_Read]) -> tuple[list[int], list[int], list[tuple[_Group, int, int]]]:
+    """The reads flattened, one entry a candidate: each entry's read (its row among the reads'),
+    its candidate, and each group's run of entries (group, first, end): a group's reads are
+    consecutive, as rounds lay out their rows."""
+    at: list[int] = []
+    candidates: list[int] = []
+    runs: list[tuple[_Group, int, int]] = []
+    for k, read in enumerate(reads):
+        first = len(candidates)
+        at.extend([k] * len(read.candidates))
+        candidates.extend(read.candidates)
+        if runs and runs[-1][0] is read.group:
+            runs[-1] = (read.group, runs[-1][1], len(candidates))
+        else:
+            runs.append((read.group, first, len(candidates)))
+    return at, candidates, runs
+
+
 class ScoreBatch:
     """Score requests that step together on one execution thread; the interface StepLoop runs
     (prefill, decode, len), each request answered once all its candidates are scored."""
@@ -156,16 +174,19 @@ class ScoreBatch:
         fused = self.runner.topk_logsumexp()
         # (bfloat16 logits on our kernel: their log-sum-exp without a float32 copy of them)
         lse = fused(logits, 1)[2] if fused is not None else torch.logsumexp(logits.float(), dim=-1)
-        for k, read in enumerate(reads):
-            req = read.group.request
+        depth = reads[0].depth
+        at, candidates, runs = _entries(reads)
+        at = torch.tensor(at, device=logits.device)
+        for group, first, end in runs:  # (a group's candidates at once, never one at a time)
+            req, ks, js = group.request, at[first:end], candidates[first:end]
             if req.labels is not None:
-                values = (logits[k, req.labels].float() - lse[k]).tolist()
-                for j in read.candidates:
-                    req.results[j] = values
+                values = (logits[ks][:, req.labels].float() - lse[ks, None]).tolist()
+                for j, value in zip(js, values):
+                    req.results[j] = value
                 continue
-            targets = torch.tensor([req.candidates[j][read.depth] for j in read.candidates], device=logits.device)
-            index = torch.tensor(read.candidates, device=logits.device)
-            read.group.scores.index_add_(0, index, logits[k, targets].float() - lse[k])
+            targets = torch.tensor([req.candidates[j][depth] for j in js], device=logits.device)
+            group.scores.index_add_(0, torch.tensor(js, device=logits.device),
+                                    logits[ks, targets].float() - lse[ks])
 
     def _table_scores(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
         """Item candidates of one table at one depth: each token's log-probability over the tokens
@@ -181,13 +202,17 @@ class ScoreBatch:
         logits = self.runner.logits(hidden[rows], vocab, as_float=False)
         logits.masked_fill_(~expansion.mask, float("-inf"))
         lse = torch.logsumexp(logits.float(), dim=-1)
-        for k, read in enumerate(reads):
-            req, group = read.group.request, read.group
-            targets = torch.tensor([req.candidates[j][depth] for j in read.candidates], device=vocab.device)
-            columns = torch.searchsorted(vocab, targets)
-            index = torch.tensor(read.candidates, device=logits.device)
-            group.scores.index_add_(0, index, logits[k, columns].float() - lse[k])
-            group.nodes[read.candidates] = expansion.child[k, columns.cpu().numpy()]
+        at, candidates, runs = _entries(reads)
+        targets = [t for group, first, end in runs
+                   for t in (group.request.candidates[j][depth] for j in candidates[first:end])]
+        columns = torch.searchsorted(vocab, torch.tensor(targets, device=vocab.device))
+        ks = torch.tensor(at, device=logits.device)
+        values = logits[ks, columns].float() - lse[ks]
+        children = expansion.child[np.asarray(at), columns.cpu().numpy()]
+        for group, first, end in runs:
+            js = candidates[first:end]
+            group.scores.index_add_(0, torch.tensor(js, device=values.device), values[first:end])
+            group.nodes[js] = children[first:end]
 
     # --- the end of a request ---
 
