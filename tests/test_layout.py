@@ -27,7 +27,8 @@ PACKAGE = os.path.join(ROOT, "xllm_async")
 MAX_LINES = 350  # the longest product file a newcomer reads in one go
 # What the slot side may import of the loop side: the door and what crosses it.
 DOOR = {"xllm_async.engine.handoff", "xllm_async.engine.request", "xllm_async.engine.params",
-        "xllm_async.engine.policies", "xllm_async.engine.budget"}
+        "xllm_async.engine.policies", "xllm_async.engine.budget",
+        "xllm_async.engine.score_request"}  # (a request type, as request.py's)
 # No file sits just under the cap (issue 50): one within this many lines of it was trimmed to fit
 # rather than split by job, and the next change pushes it over.
 CAP_MARGIN = 10

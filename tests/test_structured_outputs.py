@@ -222,9 +222,9 @@ def test_requests_beside_a_slow_and_a_bad_grammar_are_answered(server):
 
 def test_a_bounded_string_refuses_raw_control_characters():
     from transformers import AutoTokenizer
-    from xllm_async.testing.random_model import qwen3_tokenizer_dir
 
     from xllm_async.execution.grammar import Grammars, new_matcher
+    from xllm_async.testing.random_model import qwen3_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
     grammars = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))

@@ -26,6 +26,7 @@ from .items import ItemTable
 from .model_info import LONG_TEXT, ModelInfo
 from .requests import GenerationSpec, holds_long_text, parse_chat, parse_completion, parse_json
 from .responses import DONE, ChatShape, CompletionShape, new_id
+from .score import parse_score, run_score
 
 log = logging.getLogger("xllm_async.api")
 
@@ -59,6 +60,7 @@ class OpenAIApp:
         self.routes = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/score": {"POST": self.score},
             "/v1/models": {"GET": self.models},
             "/v1/models/{id}": {"GET": self.model_card},  # any path below /v1/models/
             "/health": {"GET": self.health},
@@ -199,6 +201,19 @@ class OpenAIApp:
 
     async def tokenizer_info(self, request: HttpRequest, responder: Responder) -> None:
         responder.send(200, self._tokenizer_info)
+
+    async def score(self, request: HttpRequest, responder: Responder) -> None:
+        if not self.model.beam.supported:
+            raise ApiError(400, "Scoring runs on the fixed_steps scheduler; this server runs continuous "
+                                "(XLLM_SCHEDULER)", param="items")
+        body = parse_json(request.body)
+        items = self.items  # (the table as the request found it: a reload does not change its answer)
+        if len(request.body) < LONG_TEXT:
+            spec = parse_score(body, self.model, items)
+        else:  # long text is tokenized off the loop, as the generation routes do (_parse)
+            spec = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, parse_score, body,
+                                                                    self.model, items)
+        await run_score(self.engine, self.model, spec, responder)
 
     async def _parse(self, request: HttpRequest, parser, chat: bool) -> GenerationSpec:
         body = parse_json(request.body)

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from ..engine.handoff import SlotHandoff
 from ..engine.policies import short_batch
 from ..engine.request import BeamRequest, QueuedRequest
+from ..engine.score_request import ScoreRequest
 from .batch import GenerationBatch, fail_all
 from .beam import BeamSearchBatch
 from .grammar import Grammars
 from .prepare import prepare
+from .score_batch import ScoreBatch
 
 log = logging.getLogger("xllm_async.scheduler")
 
@@ -74,6 +76,8 @@ class StepLoop:
         try:
             if isinstance(requests[0], BeamRequest):
                 batch = BeamSearchBatch(self.runner, requests, self.metrics, cores)
+            elif isinstance(requests[0], ScoreRequest):
+                batch = ScoreBatch(self.runner, requests, self.metrics, cores)
             else:
                 batch = GenerationBatch(self.runner, requests, self.metrics, cores)
             if started is not None:
