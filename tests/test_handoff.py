@@ -20,6 +20,7 @@ from xllm_async.engine.request import EngineRequest
 from xllm_async.engine.scheduler import Scheduler
 from xllm_async.execution.batch import Batch, GenerationBatch
 from xllm_async.execution.beam import BeamSearchBatch
+from xllm_async.execution.score_batch import ScoreBatch
 
 
 def _request(max_tokens: int = 1) -> EngineRequest:
@@ -50,7 +51,7 @@ def test_both_schedulers_are_schedulers(cls):
     assert not _conforms(cls, Scheduler)
 
 
-@pytest.mark.parametrize("cls", [GenerationBatch, BeamSearchBatch])
+@pytest.mark.parametrize("cls", [GenerationBatch, BeamSearchBatch, ScoreBatch])
 def test_both_batches_are_batches(cls):
     assert issubclass(cls, Batch) and not inspect.isabstract(cls)
     assert not _conforms(cls, Batch)
