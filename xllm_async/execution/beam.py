@@ -65,17 +65,19 @@ class _Group:
         return self.request.trie
 
 
-class BeamSearchBatch(Batch):
-    """Beam requests that step together on one execution thread (a Batch that takes no joiners:
-    beam searches never join), deltas only at the end."""
+class SharedPromptBatch(Batch):
+    """Requests whose prompts are prefilled once each and whose rows then feed a few tokens of their
+    own against that one copy (the runner's beam calls): beam searches, and scored candidates
+    (score_batch.py). What both do alike: the prompts' prefill, dropping aborted requests, keeping
+    a subset of groups with their caches. Takes no joiners."""
 
     __slots__ = ("runner", "requests", "groups", "state", "between_layers", "_metrics")
 
-    def __init__(self, runner: Runner, requests: list[BeamRequest], metrics=None,
+    def __init__(self, runner: Runner, requests: list, metrics=None,
                  between_layers: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.requests = requests
-        self.groups: list[_Group] = []
+        self.groups: list = []
         self.state = None
         self.between_layers = between_layers  # handed to every forward (StepLoop.run's cores)
         self._metrics = metrics
@@ -83,30 +85,59 @@ class BeamSearchBatch(Batch):
     def __len__(self) -> int:
         return len(self.groups)
 
-    def prefill(self) -> list:
+    def _prefill_prompts(self, widths: list[int], rounds: int, group: Callable):
+        """Each request's prompt once (found in the prefix cache where it can be); its group made by
+        group(request, device). Returns the prompts' hidden states and a callable that records the
+        prefill in the metrics (called once the caller has handled the hidden states)."""
         started = time.monotonic()
         for req in self.requests:
             req.started = started
         prompts = [r.prompt_ids for r in self.requests]
         with admitted_prefixes(self.runner, self.requests) as hits:
-            out = self.runner.beam_prefill(prompts, [r.beam_width for r in self.requests],
-                                           max(r.rounds for r in self.requests), between_layers=self.between_layers,
-                                           hits=hits)
+            out = self.runner.beam_prefill(prompts, widths, rounds, between_layers=self.between_layers, hits=hits)
         self.state, hidden = out.state, out.hidden
         if out.cached is not None:  # (each prompt's tokens found in the prefix cache)
             for req, tokens in zip(self.requests, out.cached):
                 req.cached_tokens = tokens
-        self.groups = [_Group(req, hidden.device) for req in self.requests]
+        self.groups = [group(req, hidden.device) for req in self.requests]
+
+        def recorded() -> None:
+            if self._metrics is not None:
+                self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), out.cached)
+
+        return hidden, recorded
+
+    def _drop_aborted(self) -> bool:
+        """Before a step: leave out the requests whose clients are gone; whether any group is left."""
+        if any(g.request.aborted for g in self.groups):
+            self._keep([g for g in self.groups if not g.request.aborted])
+        return bool(self.groups)
+
+    def _keep(self, groups: list) -> None:
+        """Keep these groups (a subset, in order) and their caches."""
+        keep = {id(g) for g in groups}
+        indices = [i for i, g in enumerate(self.groups) if id(g) in keep]
+        self.groups = groups
+        if groups and self.state is not None:
+            self.state.keep(indices)
+
+
+class BeamSearchBatch(SharedPromptBatch):
+    """Beam requests that step together on one execution thread (beam searches never join),
+    deltas only at the end."""
+
+    __slots__ = ()
+
+    def prefill(self) -> list:
+        hidden, recorded = self._prefill_prompts([r.beam_width for r in self.requests],
+                                                 max(r.rounds for r in self.requests), _Group)
         self._choose(hidden)
-        if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), out.cached)
+        recorded()
         return self._finish_done()
 
     def decode(self) -> list:
-        if any(g.request.aborted for g in self.groups):
-            self._keep([g for g in self.groups if not g.request.aborted])
-            if not self.groups:
-                return []
+        if not self._drop_aborted():
+            return []
         started = time.monotonic()
         last = [beam[-1] for g in self.groups for beam in g.tokens]
         starts = self.state.starts
@@ -299,11 +330,3 @@ class BeamSearchBatch(Batch):
         beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
         g.request.finish_reason = "length"
         return Delta(g.request.index, "", None, None, "length", beams=beams)
-
-    def _keep(self, groups: list[_Group]) -> None:
-        """Keep these groups (a subset, in order) and their caches."""
-        keep = {id(g) for g in groups}
-        indices = [i for i, g in enumerate(self.groups) if id(g) in keep]
-        self.groups = groups
-        if groups and self.state is not None:
-            self.state.keep(indices)

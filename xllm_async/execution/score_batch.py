@@ -18,16 +18,13 @@ Requests of one batch share every forward, as beam requests do; a batch never ta
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..engine.request import Delta
 from ..engine.score_request import ScoreRequest
-from .batch import Batch
-from .prepare import admitted_prefixes
-from .runner import Runner
+from .beam import SharedPromptBatch
 
 # Rows whose whole-vocabulary logits are held at once (a row of 151,936 float32 logits is 0.6 MB).
 VOCAB_ROWS = 32
@@ -78,48 +75,22 @@ def _entries(reads: list[_Read]) -> tuple[list[int], list[int], list[tuple[_Grou
     return at, candidates, runs
 
 
-class ScoreBatch(Batch):
-    """Score requests that step together on one execution thread (a Batch that takes no joiners),
-    each request answered once all its candidates are scored."""
+class ScoreBatch(SharedPromptBatch):
+    """Score requests that step together on one execution thread, each request answered once all
+    its candidates are scored."""
 
-    __slots__ = ("runner", "requests", "groups", "state", "between_layers", "_metrics")
-
-    def __init__(self, runner: Runner, requests: list[ScoreRequest], metrics=None,
-                 between_layers: Callable[[], None] | None = None) -> None:
-        self.runner = runner
-        self.requests = requests
-        self.groups: list[_Group] = []
-        self.state = None
-        self.between_layers = between_layers
-        self._metrics = metrics
-
-    def __len__(self) -> int:
-        return len(self.groups)
+    __slots__ = ()
 
     def prefill(self) -> list:
-        started = time.monotonic()
-        for req in self.requests:
-            req.started = started
-        prompts = [r.prompt_ids for r in self.requests]
-        with admitted_prefixes(self.runner, self.requests) as hits:
-            out = self.runner.beam_prefill(
-                prompts, [r.own_rows for r in self.requests], max(r.feeds for r in self.requests) + 1,
-                between_layers=self.between_layers, hits=hits)
-        self.state, hidden, cached = out.state, out.hidden, out.cached
-        if cached is not None:  # (each prompt's tokens found in the prefix cache)
-            for req, tokens in zip(self.requests, cached):
-                req.cached_tokens = tokens
-        self.groups = [_Group(req, hidden.device) for req in self.requests]
+        hidden, recorded = self._prefill_prompts([r.own_rows for r in self.requests],
+                                                 max(r.feeds for r in self.requests) + 1, _Group)
         self._score(hidden, [_Read(i, g, list(range(len(g.fed))), 0) for i, g in enumerate(self.groups)])
-        if self._metrics is not None:
-            self._metrics.batch_prefilled(time.monotonic() - started, prompts, len(prompts), cached)
+        recorded()
         return self._finish_done()
 
     def decode(self) -> list:
-        if any(g.request.aborted for g in self.groups):
-            self._keep([g for g in self.groups if not g.request.aborted])
-            if not self.groups:
-                return []
+        if not self._drop_aborted():
+            return []
         started = time.monotonic()
         starts = self.state.starts
         tokens, parents, widths, reads = [], [], [], []
@@ -231,11 +202,3 @@ class ScoreBatch(Batch):
             items.append((req, Delta(req.index, "", None, None, "stop")))
         self._keep([g for g in self.groups if g.rounds < g.request.feeds])
         return items
-
-    def _keep(self, groups: list[_Group]) -> None:
-        """Keep these groups (a subset, in order) and their caches."""
-        keep = {id(g) for g in groups}
-        indices = [i for i, g in enumerate(self.groups) if id(g) in keep]
-        self.groups = groups
-        if groups and self.state is not None:
-            self.state.keep(indices)
