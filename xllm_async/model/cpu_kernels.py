@@ -10,6 +10,8 @@ eager code makes four to eight (a bfloat16 prefill spent half its time in such p
   has them, AVX512-BF16 dot products elsewhere); a decode step's attention in one call
   (decode_attention.cpp);
 - a beam round's top k with its log-sum-exp (beam_topk.cpp);
+- a structured output's token mask applied to its rows' logits (token_bitmask.cpp, any CPU; called by
+  execution/grammar.py through torch's operator table);
 - the linear layers and the LM head of small-row steps (linear.cpp: AMX, else AVX512-BF16; float32
   on AVX512 FMAs);
 - the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI; a prompt's rows on
@@ -219,7 +221,8 @@ def verified() -> dict[str, bool]:
     return {"elementwise": loaded, "float32 elementwise": loaded and _float32_fused,
             "packed attention": loaded and all(k is not None for k in (_varlen, _prefix, _cached)),
             "beam top-k": loaded and _topk is not None, "decode attention": loaded and _decode is not None,
-            "linear": loaded and _linear_isa is not None, "float32 linear": loaded and _float32_linear}
+            "linear": loaded and _linear_isa is not None, "float32 linear": loaded and _float32_linear,
+            "token bitmask": loaded and hasattr(torch.ops.xllm, "apply_token_bitmask")}
 
 
 def load_failure() -> str | None:
