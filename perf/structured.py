@@ -1,8 +1,10 @@
-"""Structured outputs' cost (issue 46): decoding tokens/s with a json_schema grammar against the same
-requests unconstrained, at 8 clients, on one server.
+"""Structured outputs' and token controls' cost (issue 46): decoding tokens/s with a json_schema
+grammar (or with penalties, `--controls penalties`) against the same requests plain, at 8 clients,
+on one server.
 
     .venv/bin/python perf/structured.py                         # the default model (SmolLM2), 64 prompts
     .venv/bin/python perf/structured.py --num-prompts 16 --output-len 64   # a quick look
+    .venv/bin/python perf/structured.py --controls penalties    # the three penalties on every request
 
 The server (fixed_steps, N=2 unless --server-args) is started here on the model `make serve`
 serves (SmolLM2-135M-Instruct, bf16) unless --model names a folder. Both runs send the same random
@@ -36,6 +38,10 @@ ITEM = {"type": "object", "properties": {"name": {"type": "string"}, "count": {"
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": LONG_LIST, "items": ITEM}},
           "required": ["items"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answers", "schema": SCHEMA, "strict": True}}
+# What the second run adds to every request. Penalties: vLLM's three at once, over the prompt's and
+# the answer's tokens (they change which tokens win, not how many are made: ignore_eos holds the length).
+CONTROLS = {"json_schema": {"response_format": RESPONSE_FORMAT},
+            "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}}
 
 
 def default_model() -> str:
@@ -57,8 +63,7 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-async def measure(base_url: str, prompts, tokenizer, model: str, constrained: bool, concurrency: int) -> dict:
-    extra = {"response_format": RESPONSE_FORMAT} if constrained else None
+async def measure(base_url: str, prompts, tokenizer, model: str, extra: dict | None, concurrency: int) -> dict:
     metrics = await bench_serving.benchmark(base_url, prompts, tokenizer=tokenizer, model=model,
                                             endpoint="/v1/chat/completions", max_concurrency=concurrency,
                                             stream=True, warmup_requests=1, extra_body=extra)
@@ -76,31 +81,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="unconstrained and constrained runs, alternating")
+    parser.add_argument("--controls", choices=sorted(CONTROLS), default="json_schema",
+                        help="what the second run adds to each request")
     parser.add_argument("--output-file", help="append the figures as one JSON line")
     args = parser.parse_args(argv)
     model = servers.ensure_model(args.model) if args.model else default_model()
     tokenizer = bench_serving.load_tokenizer(model)
     prompts = bench_serving.make_random_prompts(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                                 prompt_format="text")
-    runs: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
+    runs: dict[str, list[float]] = {"plain": [], args.controls: []}
     command = servers.server_command(model, args.server_args.split())
     with servers.running_server(command, servers.server_log("structured", "server")) as server:
         info = bench_serving.run(bench_serving.fetch_model_info(server.base_url))
         for _ in range(args.rounds):
             for name in runs:
                 metrics = bench_serving.run(measure(server.base_url, prompts, tokenizer, info["id"],
-                                                    name == "json_schema", args.concurrency))
+                                                    CONTROLS.get(name), args.concurrency))
                 runs[name].append(metrics["output_throughput"])
                 print(f"{name:>13}: {metrics['output_throughput']:8.1f} output tokens/s "
                       f"({metrics['total_output_tokens']} tokens, {metrics['duration']:.1f} s)", flush=True)
-    plain, constrained = (statistics.median(runs[name]) for name in runs)
+    plain, controlled = (statistics.median(runs[name]) for name in runs)
+    per_round = [c / p for p, c in zip(runs["plain"], runs[args.controls])]
     result = {"model": model, "cpu": cpu_name(), "concurrency": args.concurrency, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "server_args": args.server_args,
-              "unconstrained_tokens_per_s": runs["unconstrained"], "json_schema_tokens_per_s": runs["json_schema"],
-              "ratio": constrained / plain}
-    print(f"\n| run | output tokens/s (median of {args.rounds}) |\n|---|---|\n| unconstrained | {plain:.1f} |\n"
-          f"| json_schema | {constrained:.1f} |\n\njson_schema / unconstrained = {constrained / plain:.3f} "
-          f"at {args.concurrency} clients on {cpu_name()}")
+              "controls": args.controls, "plain_tokens_per_s": runs["plain"],
+              "controlled_tokens_per_s": runs[args.controls], "ratio": controlled / plain, "per_round": per_round}
+    print(f"\n| run | output tokens/s (median of {args.rounds}) |\n|---|---|\n| plain | {plain:.1f} |\n"
+          f"| {args.controls} | {controlled:.1f} |\n\n{args.controls} / plain = {controlled / plain:.3f} "
+          f"(rounds {', '.join(f'{r:.2f}' for r in per_round)}) at {args.concurrency} clients on {cpu_name()}")
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(result) + "\n")
