@@ -17,20 +17,26 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
 import statistics
+import sys
 import time
 from collections import defaultdict
 
-import torch
+# This checkout's package, not the one the virtual environment was installed from (a worktree's).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
-from xllm_async.model import prefix_cache
-from xllm_async.runtime.model_runner import ModelRunner
+import torch  # noqa: E402
 
-# The on path's pieces, timed by wrapping the store's methods (what each wraps: see main()).
-PIECES = ("match", "claim", "keep", "release")
+import xllm_async  # noqa: E402, F401  (OpenMP settings before torch loads)
+from xllm_async.model import prefix_cache  # noqa: E402
+from xllm_async.runtime.model_runner import ModelRunner  # noqa: E402
+
+# The on path's pieces, timed by wrapping the store's methods (what each wraps: see main()); write:
+# the forward's writes of new blocks into the store (prefix_cache.BlockWrites, after issue 48).
+PIECES = ("match", "claim", "keep", "write", "release")
 
 
 class Timed:
@@ -73,14 +79,23 @@ def main() -> None:
     runner.set_kv_cache(int(args.kv_bytes * 2**30), 1, 0.5)
     store = runner.prefix_store
     timed = Timed()
-    # (instance attributes: the runner and the bench call them through the store object)
-    store.match = timed.wrap("match", store.match)
-    store.claim = timed.wrap("claim", store.claim)
-    store.keep_all = timed.wrap("keep", store.keep_all)
-    store.release_all = timed.wrap("release", store.release_all)
-    store.release = timed.wrap("release", store.release)
+    # (instance attributes: the runner and the bench call them through the store object; the names
+    # of both versions, before issue 48 (keep_all: copies from the slab) and after (reserve, the
+    # forward's writes, commit))
+    for piece, names in (("match", ("match",)), ("claim", ("claim", "load")),
+                         ("keep", ("keep_all", "reserve", "commit", "abandon")), ("release", ("release_all", "release"))):
+        for name in names:
+            if hasattr(store, name):
+                setattr(store, name, timed.wrap(piece, getattr(store, name)))
     copies = Timed()
-    store._blocks = copies.wrap("blocks", store._blocks)
+    store._blocks = copies.wrap("blocks", store._blocks)  # (before: a copy of every layer a call)
+    if hasattr(prefix_cache, "BlockWrites"):
+        write = timed.wrap("write", prefix_cache.BlockWrites.write)
+
+        def counted(writes, layer, k, v):
+            copies.calls["blocks"] += 2 * len(writes.runs)  # (after: keys and values, a copy a run)
+            write(writes, layer, k, v)
+        prefix_cache.BlockWrites.write = counted
     rng = random.Random(0)
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -100,7 +115,8 @@ def main() -> None:
             for hit in hits:  # (execution/prepare.py's admitted_prefixes)
                 store.release(hit)
 
-    results: dict[tuple[int, str], list[float]] = defaultdict(list)
+    results: dict[tuple[int, str], list[float]] = defaultdict(list)  # wall seconds a batch
+    cpu: dict[tuple[int, str], list[float]] = defaultdict(list)  # this thread's CPU seconds a batch
     pieces: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     copies_a_batch: dict[int, list[int]] = defaultdict(list)
     same = True
@@ -117,14 +133,14 @@ def main() -> None:
                 for mode in order:
                     timed.reset()
                     copies.reset()
-                    began = time.perf_counter()
+                    began, began_cpu = time.perf_counter(), time.thread_time()
                     logits[mode] = (off if mode == "off" else on)(batch).logits
                     results[size, mode].append(time.perf_counter() - began)
+                    cpu[size, mode].append(time.thread_time() - began_cpu)
                     if mode == "on":
                         for piece in PIECES:
                             pieces[size][piece].append(timed.spent.get(piece, 0.0))
                         copies_a_batch[size].append(copies.calls.get("blocks", 0))
-                # (the same prompts twice: the second "on" of a pair... is never: each batch is new)
                 same = same and torch.equal(logits["off"].argmax(-1), logits["on"].argmax(-1))
         if args.profile:
             profiler = cProfile.Profile()
@@ -133,18 +149,22 @@ def main() -> None:
             for batch in batches:
                 on(batch)
             profiler.disable()
-    print(f"{args.model}, {runner.dtype}, {torch.get_num_threads()} thread(s), {args.length}-token prompts never "
+    print(f"{xllm_async.__file__}: {args.model}, {runner.dtype}, {torch.get_num_threads()} thread(s), {args.length}-token prompts never "
           f"seen, 1 token out; medians of {args.reps} batches (ms a batch); store {store.capacity} blocks of "
           f"{prefix_cache.BLOCK_TOKENS}, {store.used} used at the end")
-    print("| prompts a batch | off | on | on / off | match | claim | keep | release | rest (slab, forward) "
-          "| copies into the store |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # on / off: the batches a second the cache on runs, against off (1.0: it costs nothing); of the
+    # medians, the median of each pair's (same batch, back to back), and of CPU time.
+    print("| prompts a batch | off | on | on / off | pairs | CPU | match | claim | keep | write | release "
+          "| rest (slab, forward) | copies into the store |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         t_off = statistics.median(results[size, "off"]) * 1e3
         t_on = statistics.median(results[size, "on"]) * 1e3
+        pairs = statistics.median(a / b for a, b in zip(results[size, "off"], results[size, "on"]))
+        by_cpu = statistics.median(cpu[size, "off"]) / statistics.median(cpu[size, "on"])
         parts = {piece: statistics.median(pieces[size][piece]) * 1e3 for piece in PIECES}
         rest = t_on - t_off - sum(parts.values())
-        print(f"| {size} | {t_off:.2f} | {t_on:.2f} | **{t_off / t_on:.3f}x** | "
+        print(f"| {size} | {t_off:.2f} | {t_on:.2f} | **{t_off / t_on:.3f}x** | {pairs:.3f}x | {by_cpu:.3f}x | "
               + " | ".join(f"{parts[p]:.3f}" for p in PIECES)
               + f" | {rest:+.3f} | {statistics.median(copies_a_batch[size]):.0f} |")
     print("greedy tokens the same off and on:", same)

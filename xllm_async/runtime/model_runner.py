@@ -193,46 +193,65 @@ class ModelRunner(Runner):
         return Prefilled(head(hidden[ctx.last_kept]), cache, cached, scores)
 
     def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
-                whole: list[bool] | None, between_layers: Callable[[], None] | None, hits: list | None,
+                whole: list[bool] | None, between_layers: Callable[[], None] | None, held: list | None,
                 ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill, list[int] | None]:
         lengths = [len(p) for p in prompts]
-        cache, first = into, 0
-        if capacity or into is not None or self._slab_for_prefixes(lengths):
-            capacity = max(capacity, max(lengths))
-            if cache is None:
-                cache = SlabCache(self._arena(), len(prompts), capacity)
-            first = cache.add_rows(lengths, capacity)
-        hidden, ctx, cached = self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
+        hits = self._claim(prompts, whole, held)
+        try:
+            cache, first = into, 0
+            if capacity or into is not None or self._slab_for_prefixes(lengths, hits):
+                capacity = max(capacity, max(lengths))
+                if cache is None:
+                    cache = SlabCache(self._arena(), len(prompts), capacity)
+                first = cache.add_rows(lengths, capacity)
+            hidden, ctx, cached = self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
+        finally:
+            self._release(hits)
         return hidden, cache, ctx, cached
 
-    def _slab_for_prefixes(self, lengths: list[int]) -> bool:
+    def _claim(self, prompts: list[list[int]], whole: list[bool] | None, held: list | None) -> list[PrefixHit]:
+        """With a prefix cache, each prompt's hit (held[i] from admission, else matched now), pinned
+        until _release; none without one."""
+        return self.prefix_store.claim(prompts, None, 0, whole, held) if self.prefix_store is not None else []
+
+    def _release(self, hits: list[PrefixHit]) -> None:
+        if hits:
+            self.prefix_store.release_all(hits)
+
+    def _slab_for_prefixes(self, lengths: list[int], hits: list[PrefixHit]) -> bool:
         """Whether prompts that need no cache of their own (one token each, a single beam round) get
-        one anyway: with a prefix cache, for their prefix to be copied into and their blocks kept
-        from, where this slot's arena holds them (admission counts it: BatchBudget.take)."""
-        return self.prefix_store is not None and len(lengths) * max(lengths) <= self.kv_tokens
+        one anyway: where a prompt found a cached prefix, for it to be copied into, where this slot's
+        arena holds them (admission counts it: BatchBudget.take). Their new blocks need none: the
+        forward writes them into the store (prefix_cache.BlockWrites)."""
+        return any(hit.blocks for hit in hits) and len(lengths) * max(lengths) <= self.kv_tokens
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
-                      between_layers: Callable[[], None] | None, held: list | None,
+                      between_layers: Callable[[], None] | None, hits: list[PrefixHit],
                       ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
-        prompt's tokens served from the prefix cache (None without one). With a prefix cache, each
-        prompt's cached prefix (held[i], else matched now) goes into its row first and only the rest
-        is computed."""
-        store = self.prefix_store if cache is not None else None
-        hits = store.claim(prompts, cache.slabs, first, whole, held) if store is not None else []
+        prompt's tokens served from the prefix cache (None without one). With a prefix cache (hits:
+        _claim's), each prompt's cached prefix goes into its row first (where it has one) and only
+        the rest is computed; the forward writes their new full blocks into the store too."""
+        store = self.prefix_store
+        skips = [0] * len(prompts)
+        if cache is not None and any(hit.blocks for hit in hits):
+            for i, hit in enumerate(hits):
+                store.load(hit, cache.slabs, first + i)
+            skips = [hit.tokens for hit in hits]
+        stored = store.reserve(prompts, hits, skips) if store is not None else None
         try:
-            skips = [hit.tokens for hit in hits] or [0] * len(prompts)
             ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
-                                cache, first, whole, skips)
+                                cache, first, whole, skips, stored)
             rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
             tokens = list(itertools.chain.from_iterable(rest))
             hidden = self._forward(tokens, ctx, between_layers)
-            if store is not None:  # (a prefill that failed keeps nothing)
-                store.keep_all(prompts, hits, cache.slabs, first)
-        finally:
-            if hits:
-                store.release_all(hits)
-        return hidden, ctx, (skips if self.prefix_store is not None else None)
+        except BaseException:
+            if stored is not None:  # (a prefill that failed keeps nothing)
+                store.abandon(stored)
+            raise
+        if stored is not None:
+            store.commit(stored)
+        return hidden, ctx, (skips if store is not None else None)
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
                ) -> torch.Tensor:
@@ -254,14 +273,18 @@ class ModelRunner(Runner):
         the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
         lengths = [len(p) for p in prompts]
         cache = own = None
-        if rounds > 1 or self._slab_for_prefixes(lengths):
-            arena = self._arena()
-            cache = SlabCache(arena, len(prompts), max(lengths))
-            cache.add_rows(lengths, max(lengths))
-        if rounds > 1:
-            # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
-            own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, hits)
+        claimed = self._claim(prompts, None, hits)
+        try:
+            if rounds > 1 or self._slab_for_prefixes(lengths, claimed):
+                arena = self._arena()
+                cache = SlabCache(arena, len(prompts), max(lengths))
+                cache.add_rows(lengths, max(lengths))
+            if rounds > 1:
+                # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
+                own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
+            hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, claimed)
+        finally:
+            self._release(claimed)
         return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
