@@ -61,6 +61,24 @@ class Timed:
         self.calls.clear()
 
 
+def huge_pages(store) -> torch.Tensor:
+    """A pool for the store in an anonymous block advised for transparent huge pages."""
+    import mmap
+
+    lay, huge = store.layout, 2 << 20
+    shape = (lay.layers, 2, lay.kv_heads, store.capacity, prefix_cache.BLOCK_TOKENS, lay.head_dim)
+    size = store.capacity * store.block_bytes
+    block = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(block, dtype=torch.uint8)
+    offset = -raw.data_ptr() % huge
+    huge_pages.blocks.append(block)  # (alive as long as the process)
+    return raw[offset:offset + size].view(lay.dtype).view(shape)
+
+
+huge_pages.blocks = []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="perf/results/models/qwen3-small")
@@ -72,6 +90,7 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=float, default=2.0, help="GiB of keys and values, half for the store")
     parser.add_argument("--touch", action="store_true", help="write the whole store once before measuring "
                         "(a long-running server's: no page is new)")
+    parser.add_argument("--huge", action="store_true", help="the store's pool on pages advised huge (an experiment)")
     parser.add_argument("--profile", action="store_true", help="cProfile the on path's batches of the last size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,6 +139,8 @@ def main() -> None:
     pieces: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     copies_a_batch: dict[int, list[int]] = defaultdict(list)
     same = True
+    if args.huge:
+        store._pool = huge_pages(store)
     with torch.inference_mode():
         for size in sizes:  # (warm: oneDNN's kernels, the arena's pages)
             off(prompts(size)), on(prompts(size))

@@ -10,22 +10,26 @@ block's token ids and its parent's chain key: a wrong hit would need two differe
 64-bit chain keys collide.
 
 One store serves every execution slot (their threads look up and store concurrently): a pool of
-blocks [layers, 2, kv_heads, blocks, BLOCK_TOKENS, head_dim] out of XLLM_KV_CACHE_BYTES,
+blocks [layers, 2, blocks, BLOCK_TOKENS, kv_heads, head_dim] out of XLLM_KV_CACHE_BYTES,
 evicted least recently used. A batch's cache stays a rectangle of per-sequence slabs
 (kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill. A
 prompt's new full blocks are taken before its prefill (reserve) and every layer writes their keys
 straight from the packed rows it computed (BlockWrites, called by PackedPrefill.attend), so a
 prompt that keeps no cache of its own (one token out) needs no slab, and nothing is copied twice;
 they are found once the prefill is done (commit). Laid out so, consecutive blocks are one run of
-tokens in every layer and head, as a slab is, and a prompt's blocks (taken together, in order) go
-to and from its slab in one copy, not one a block. A block is pinned, never evicted, from a
-request's admission to the end of its prefill (BatchBudget.take), and while it is written.
+tokens in every layer, as the packed rows are (a plain copy, where head-major blocks made it a
+transposing one, a third slower: storing is on every miss's path, loading only on a hit's), and a
+prompt's blocks (taken together, in order) go to and from its rows or slab in one copy a layer,
+not one a block. A block is pinned, never evicted, from a request's admission to the end of its
+prefill (BatchBudget.take), and while it is written.
 A prompt always computes at least its last token (its logits are what the prefill is for), so at
 most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 from collections import OrderedDict
 
@@ -74,6 +78,7 @@ class PrefixStore:
         self.capacity = blocks
         self.device = device
         self._pool: torch.Tensor | None = None  # allocated by the first store
+        self._pool_memory: mmap.mmap | None = None  # what a CPU pool lies in (_allocate)
         self._lock = threading.Lock()
         self._index: dict[int, int] = {}  # chain key -> block
         self._recency: OrderedDict[int, None] = OrderedDict()  # indexed blocks, least recently used first
@@ -117,8 +122,8 @@ class PrefixStore:
             slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS] = self._blocks(block, count)
 
     def _blocks(self, block: int, count: int) -> torch.Tensor:
-        """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim]."""
-        return self._pool[:, :, :, block:block + count].flatten(3, 4)
+        """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim] (a view)."""
+        return self._pool[:, :, block:block + count].flatten(2, 3).transpose(2, 3)
 
     def keep(self, prompt: list[int], hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
         """After the prompt's prefill wrote its keys into cache row `row`: copy its full blocks that
@@ -139,9 +144,7 @@ class PrefixStore:
         (BlockWrites.write) and commit() to index; abandon() them if it fails."""
         with self._lock:
             if self._pool is None and self.capacity:
-                lay = self.layout
-                self._pool = torch.empty(lay.layers, 2, lay.kv_heads, self.capacity, BLOCK_TOKENS, lay.head_dim,
-                                         dtype=lay.dtype, device=self.device)
+                self._allocate()
             wanted, start, taking = [], 0, self.capacity > 0
             for prompt, hit, skip in zip(prompts, hits, skips):
                 for i in range(len(hit.blocks), len(hit.keys) if taking else 0):
@@ -160,24 +163,49 @@ class PrefixStore:
         wanted = [entry[:-1] + (block,) for entry, block in zip(wanted, blocks)]
         return BlockWrites(self._pool, wanted, hits)
 
+    def _allocate(self) -> None:
+        """The pool. On a CPU, in an anonymous block advised for transparent huge pages: until the
+        pool has filled once, every miss writes its blocks into pages never touched, and the
+        kernel's faulting and zeroing of them cost more than the write itself (4 KiB pages: 2.5x
+        a touched page's write for one-token misses of 320 tokens, perf/prefix_miss.py);
+        2 MiB pages, a quarter less. Not touched ahead: like the slots' arenas, it takes memory
+        as it is used."""
+        lay = self.layout
+        shape = (lay.layers, 2, self.capacity, BLOCK_TOKENS, lay.kv_heads, lay.head_dim)
+        if self.device.type != "cpu":
+            self._pool = torch.empty(shape, dtype=lay.dtype, device=self.device)
+            return
+        size, huge = math.prod(shape) * lay.dtype.itemsize, 2 << 20
+        self._pool_memory = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._pool_memory.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # not Linux, or no transparent huge pages: 4 KiB pages
+            pass
+        raw = torch.frombuffer(self._pool_memory, dtype=torch.uint8)
+        start = -raw.data_ptr() % huge
+        self._pool = raw[start:start + size].view(lay.dtype).view(shape)
+
     def commit(self, writes: BlockWrites) -> None:
-        """The forward wrote the reserved blocks: index them (a block another slot stored meanwhile
-        is freed), and their prompts' chains the most recent."""
+        """The forward wrote the reserved blocks: index them (a block another slot, or another prompt
+        of the batch, stored meanwhile is freed), and each prompt's chain the most recent: its first
+        block the most recent, its last the least, so that eviction takes a chain from its end (a
+        block whose parent went is found by no lookup, and waits to be evicted)."""
+        written = {}
         with self._lock:
             for _, parent, key, tokens, block in writes.blocks:
                 self._pins[block] -= 1
-                if key in self._index:  # another slot stored the same block meanwhile
+                if key in self._index or key in written:
                     self._free.append(block)
-                    continue
-                self._index[key] = block
-                self._identity[block] = (key, parent, tuple(tokens))
-                self._recency[block] = None
-            # Each prompt's first block the most recent, its last the least: eviction takes a chain
-            # from its end (a block whose parent went is found by no lookup, and waits to be evicted).
+                else:
+                    written[key] = (block, (key, parent, tuple(tokens)))
             for hit in writes.hits:
                 for key in reversed(hit.keys):
-                    block = self._index.get(key)
-                    if block is not None:
+                    new = written.pop(key, None)
+                    if new is not None:
+                        block, self._identity[new[0]] = new
+                        self._index[key] = block
+                        self._recency[block] = None
+                    elif (block := self._index.get(key)) is not None:
                         self._recency.move_to_end(block)
 
     def abandon(self, writes: BlockWrites) -> None:
@@ -262,11 +290,13 @@ class BlockWrites:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """This layer's keys and values of the packed rows (k, v [rows, kv_heads, dim]) into the blocks."""
-        keys, values = self.pool[layer, 0], self.pool[layer, 1]  # [kv_heads, blocks, BLOCK_TOKENS, dim]
+        if not self.runs:
+            return
+        keys, values = self.pool[layer, 0].flatten(0, 1), self.pool[layer, 1].flatten(0, 1)  # [tokens, kv_heads, dim]
         for row, block, count in self.runs:
-            end = row + count * BLOCK_TOKENS
-            keys[:, block:block + count] = k[row:end].view(count, BLOCK_TOKENS, *k.shape[1:]).permute(2, 0, 1, 3)
-            values[:, block:block + count] = v[row:end].view(count, BLOCK_TOKENS, *v.shape[1:]).permute(2, 0, 1, 3)
+            rows, start = count * BLOCK_TOKENS, block * BLOCK_TOKENS
+            keys[start:start + rows] = k[row:row + rows]
+            values[start:start + rows] = v[row:row + rows]
 
 
 def _runs(pairs: list[tuple[int, int]], step: int = 1) -> list[tuple[int, int, int]]:
