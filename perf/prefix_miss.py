@@ -61,24 +61,6 @@ class Timed:
         self.calls.clear()
 
 
-def huge_pages(store) -> torch.Tensor:
-    """A pool for the store in an anonymous block advised for transparent huge pages."""
-    import mmap
-
-    lay, huge = store.layout, 2 << 20
-    shape = (lay.layers, 2, lay.kv_heads, store.capacity, prefix_cache.BLOCK_TOKENS, lay.head_dim)
-    size = store.capacity * store.block_bytes
-    block = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(block, dtype=torch.uint8)
-    offset = -raw.data_ptr() % huge
-    huge_pages.blocks.append(block)  # (alive as long as the process)
-    return raw[offset:offset + size].view(lay.dtype).view(shape)
-
-
-huge_pages.blocks = []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="perf/results/models/qwen3-small")
@@ -90,7 +72,6 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=float, default=2.0, help="GiB of keys and values, half for the store")
     parser.add_argument("--touch", action="store_true", help="write the whole store once before measuring "
                         "(a long-running server's: no page is new)")
-    parser.add_argument("--huge", action="store_true", help="the store's pool on pages advised huge (an experiment)")
     parser.add_argument("--profile", action="store_true", help="cProfile the on path's batches of the last size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,7 +83,8 @@ def main() -> None:
     # of both versions, before issue 48 (keep_all: copies from the slab) and after (reserve, the
     # forward's writes, commit))
     for piece, names in (("match", ("match",)), ("claim", ("claim", "load")),
-                         ("keep", ("keep_all", "reserve", "commit", "abandon")), ("release", ("release_all", "release"))):
+                         ("keep", ("keep_all", "reserve", "commit", "abandon")),
+                         ("release", ("release_all", "release"))):
         for name in names:
             if hasattr(store, name):
                 setattr(store, name, timed.wrap(piece, getattr(store, name)))
@@ -139,8 +121,6 @@ def main() -> None:
     pieces: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     copies_a_batch: dict[int, list[int]] = defaultdict(list)
     same = True
-    if args.huge:
-        store._pool = huge_pages(store)
     with torch.inference_mode():
         for size in sizes:  # (warm: oneDNN's kernels, the arena's pages)
             off(prompts(size)), on(prompts(size))
@@ -170,9 +150,9 @@ def main() -> None:
             for batch in batches:
                 on(batch)
             profiler.disable()
-    print(f"{xllm_async.__file__}: {args.model}, {runner.dtype}, {torch.get_num_threads()} thread(s), {args.length}-token prompts never "
-          f"seen, 1 token out; medians of {args.reps} batches (ms a batch); store {store.capacity} blocks of "
-          f"{prefix_cache.BLOCK_TOKENS}, {store.used} used at the end")
+    print(f"{xllm_async.__file__}: {args.model}, {runner.dtype}, {torch.get_num_threads()} thread(s), "
+          f"{args.length}-token prompts never seen, 1 token out; medians of {args.reps} batches (ms a batch); "
+          f"store {store.capacity} blocks of {prefix_cache.BLOCK_TOKENS}, {store.used} used at the end")
     # on / off: the batches a second the cache on runs, against off (1.0: it costs nothing); of the
     # medians, the median of each pair's (same batch, back to back), and of CPU time.
     print("| prompts a batch | off | on | on / off | pairs | CPU | match | claim | keep | write | release "
