@@ -12,7 +12,6 @@ load_runner() picks one and says which in the log.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -29,7 +28,8 @@ from ..model.llama import ModelShape, use_fused_kernels
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
 from ..model.scoring import score_prompt
 from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, linear_name, on_host
-from .checkpoint import eos_ids, resolve_dtype
+from .cached_prefill import CachedPrefill
+from .checkpoint import eos_ids, generation_config, resolve_dtype
 from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
 from .host_memory import one_intra_op_thread, pack_weights
@@ -37,7 +37,7 @@ from .weights import load_weights
 
 log = logging.getLogger("xllm_async.model")
 
-class ModelRunner(Runner):
+class ModelRunner(CachedPrefill, Runner):
     """Our own model code, loaded once, shared read-only by every execution thread;
     each thread keeps its own key/value arena (allocated once, on first use)."""
 
@@ -73,7 +73,7 @@ class ModelRunner(Runner):
         self._beam_topk = choose_beam_topk(device, self.dtype)
         self.vocab_size = shape.vocab
         self.max_model_len = int(shape.max_positions or 2048)
-        generation = _generation_config(model_dir)
+        generation = generation_config(model_dir)
         self.eos_token_ids = eos_ids(self.tokenizer, generation, self.config)
         self.kv_layout = KvLayout(shape.layers, shape.kv_heads, shape.head_dim, self.dtype)
         self.kv_tokens = 0  # per slot, set by set_kv_cache()
@@ -204,54 +204,10 @@ class ModelRunner(Runner):
                 if cache is None:
                     cache = SlabCache(self._arena(), len(prompts), capacity)
                 first = cache.add_rows(lengths, capacity)
-            hidden, ctx, cached = self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
+            hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits)
         finally:
             self._release(hits)
         return hidden, cache, ctx, cached
-
-    def _claim(self, prompts: list[list[int]], whole: list[bool] | None, held: list | None) -> list[PrefixHit]:
-        """With a prefix cache, each prompt's hit (held[i] from admission, else matched now), pinned
-        until _release; none without one."""
-        return self.prefix_store.claim(prompts, None, 0, whole, held) if self.prefix_store is not None else []
-
-    def _release(self, hits: list[PrefixHit]) -> None:
-        if hits:
-            self.prefix_store.release_all(hits)
-
-    def _slab_for_prefixes(self, lengths: list[int], hits: list[PrefixHit]) -> bool:
-        """Whether prompts that need no cache of their own (one token each, a single beam round) get
-        one anyway: where a prompt found a cached prefix, for it to be copied into, where this slot's
-        arena holds them (admission counts it: BatchBudget.take). Their new blocks need none: the
-        forward writes them into the store (prefix_cache.BlockWrites)."""
-        return any(hit.blocks for hit in hits) and len(lengths) * max(lengths) <= self.kv_tokens
-
-    def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
-                      between_layers: Callable[[], None] | None, hits: list[PrefixHit],
-                      ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
-        """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
-        prompt's tokens served from the prefix cache (None without one). With a prefix cache (hits:
-        _claim's), each prompt's cached prefix goes into its row first (where it has one) and only
-        the rest is computed; the forward writes their new full blocks into the store too."""
-        store = self.prefix_store
-        skips = [0] * len(prompts)
-        if cache is not None and any(hit.blocks for hit in hits):
-            for i, hit in enumerate(hits):
-                store.load(hit, cache.slabs, first + i)
-            skips = [hit.tokens for hit in hits]
-        stored = store.reserve(prompts, hits, skips) if store is not None else None
-        try:
-            ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
-                                cache, first, whole, skips, stored)
-            rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
-            tokens = list(itertools.chain.from_iterable(rest))
-            hidden = self._forward(tokens, ctx, between_layers)
-        except BaseException:
-            if stored is not None:  # (a prefill that failed keeps nothing)
-                store.abandon(stored)
-            raise
-        if stored is not None:
-            store.commit(stored)
-        return hidden, ctx, (skips if store is not None else None)
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
                ) -> torch.Tensor:
@@ -282,7 +238,7 @@ class ModelRunner(Runner):
             if rounds > 1:
                 # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
                 own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-            hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, claimed)
+            hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed)
         finally:
             self._release(claimed)
         return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
@@ -307,15 +263,6 @@ class ModelRunner(Runner):
     def topk_logsumexp(self):
         """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (execution/runner.py)."""
         return self._beam_topk
-
-
-def _generation_config(model_dir: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        return None
 
 
 def load_runner(model_dir: str, device: torch.device, dtype: str = "auto", engine: str = "auto",
