@@ -11,6 +11,7 @@ machine may be shared, so read the ratios, not the times.
 
     .venv/bin/python perf/prefix_miss.py                                   # small model, 320 tokens
     .venv/bin/python perf/prefix_miss.py --sizes 2 --reps 40 --profile     # + cProfile of the on path
+    .venv/bin/python perf/prefix_miss.py --shared 896 --length 64 --sizes 8,16 --reps 10   # a shared prefix
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30, help="batches a point and mode")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a slot's on fixed_steps N=2 here)")
     parser.add_argument("--kv-bytes", type=float, default=2.0, help="GiB of keys and values, half for the store")
+    parser.add_argument("--shared", type=int, default=0, help="tokens a batch's prompts share before their own "
+                        "--length (a new prefix each batch): the batch's shared prefix computed once (issue 48)")
     parser.add_argument("--touch", action="store_true", help="write the whole store once before measuring "
                         "(a long-running server's: no page is new)")
     parser.add_argument("--profile", action="store_true", help="cProfile the on path's batches of the last size")
@@ -101,7 +104,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
 
     def prompts(n: int) -> list[list[int]]:
-        return [[rng.randrange(200, 150000) for _ in range(args.length)] for _ in range(n)]
+        shared = [rng.randrange(200, 150000) for _ in range(args.shared)]
+        return [shared + [rng.randrange(200, 150000) for _ in range(args.length)] for _ in range(n)]
 
     def off(batch: list[list[int]]):
         runner.prefix_store = None
@@ -151,7 +155,8 @@ def main() -> None:
                 on(batch)
             profiler.disable()
     print(f"{xllm_async.__file__}: {args.model}, {runner.dtype}, {torch.get_num_threads()} thread(s), "
-          f"{args.length}-token prompts never seen, 1 token out; medians of {args.reps} batches (ms a batch); "
+          f"{args.length}-token prompts never seen (after {args.shared} tokens a batch's prompts share), "
+          f"1 token out; medians of {args.reps} batches (ms a batch); "
           f"store {store.capacity} blocks of {prefix_cache.BLOCK_TOKENS}, {store.used} used at the end")
     # on / off: the batches a second the cache on runs, against off (1.0: it costs nothing); of the
     # medians, the median of each pair's (same batch, back to back), and of CPU time.
