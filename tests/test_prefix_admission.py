@@ -73,6 +73,10 @@ def test_the_slab_a_hit_is_copied_into_counts_even_for_one_token_requests():
     prefixes = CountedPrefixes(96)
     assert len(BatchBudget(64, 8192, packed=True, kv_tokens=250, prefixes=prefixes).take(deque(requests))) == 2
     assert prefixes.pins == 2
+    for req in requests:
+        req.prefix = None
+    missed = CountedPrefixes(0)  # found nothing: no slab (its blocks go from the forward into the store)
+    assert len(BatchBudget(64, 8192, packed=True, kv_tokens=250, prefixes=missed).take(deque(requests))) == 4
 
 
 # --- the runner: hits from admission, and the paths that keep no cache ---
@@ -98,7 +102,7 @@ def test_a_hit_from_admission_serves_the_prefill_and_stays_pinned_until_released
 
 
 def test_one_token_prefills_find_and_keep_prefixes_bit_for_bit(runner):
-    """capacity 0, into None: no cache to keep, yet a slab to copy the prefix into."""
+    """capacity 0, into None: no cache to keep, yet a slab to copy a found prefix into."""
     fresh(runner)
     prompts = random_prompts(32, [140, 75])
     with torch.inference_mode():
@@ -121,6 +125,43 @@ def test_a_single_beam_round_finds_and_keeps_prefixes_bit_for_bit(runner):
         warm = runner.beam_prefill(prompts, [4, 4], 1)
     assert first == [0, 0] and warm.cached == [4 * B, 2 * B]
     assert torch.equal(warm.hidden, expected)
+
+
+def test_blocks_written_by_the_forward_serve_later_prompts_bit_for_bit(runner):
+    """A prefill's new blocks go from its packed rows into the store: without a slab (a miss that
+    keeps no cache), and after a hit's skipped tokens, at rows that are not whole blocks apart."""
+    fresh(runner)
+    stored, own, other = random_prompts(34, [200, 90, 75])
+    grown = stored[:100] + own  # 3 blocks of stored, then its own blocks 3 and 4
+    with torch.inference_mode():
+        assert runner.prefill([stored]).cache is None  # found nothing: no slab
+        first = runner.prefill([other, grown])  # grown's new rows packed after other's 75
+        later = [grown + [5, 6], other + [7]]
+        with store_aside(runner):
+            expected = runner.prefill(later).logits
+        warm = runner.prefill(later)
+    assert first.cached == [0, 3 * B] and warm.cached == [5 * B, 2 * B]
+    assert torch.equal(warm.logits, expected) and runner.prefix_store.pinned == 0
+
+
+def test_a_prefill_that_fails_keeps_none_of_its_blocks(runner, monkeypatch):
+    fresh(runner)
+    prompt = random_prompts(35, [100])[0]
+    forward = runner._forward
+
+    def failing(tokens, ctx, between_layers):
+        forward(tokens, ctx, between_layers)  # (every layer wrote its blocks)
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(runner, "_forward", failing)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        runner.prefill([prompt])
+    monkeypatch.undo()
+    store = runner.prefix_store
+    assert store.used == 0 and store.pinned == 0
+    with torch.inference_mode():
+        assert runner.prefill([prompt]).cached == [0]
+        assert runner.prefill([prompt]).cached == [3 * B]
 
 
 # --- every path through a real service unpins what admission pinned ---

@@ -24,7 +24,9 @@ class BatchBudget:
     prompt tokens are only those its prefill computes: take() pins its cached prefix
     (Runner.match_prefix) and carries the hit on the request until its prefill
     releases it. Its cache row still counts the whole prompt, which the prefill
-    copies in: even a request that keeps no cache (one token, one beam round).
+    copies in: even a request that keeps no cache (one token, one beam round),
+    where it found a prefix (one that found none takes no slab: its new blocks go
+    from the forward into the store).
     """
 
     __slots__ = ("max_seqs", "max_tokens", "packed", "kv_tokens", "shared_beam_prompts", "prefixes")
@@ -69,8 +71,10 @@ class BatchBudget:
             tokens_if_taken = tokens + req.prefill_tokens
             req_rows, req_tokens, req_own_rows, req_own_tokens = self._cache_shape(req)
             if self.prefixes is not None:
-                tokens_if_taken -= self._pin_prefix(req)
-                req_tokens = req_tokens or len(req.prompt_ids)
+                spared = self._pin_prefix(req)
+                tokens_if_taken -= spared
+                if spared:  # its prefill copies the prefix into a slab, even where it keeps no cache
+                    req_tokens = req_tokens or len(req.prompt_ids)
             row_tokens_if_taken = max(row_tokens, req_tokens)
             own_rows_if_taken, own_tokens_if_taken = own_rows + req_own_rows, max(own_tokens, req_own_tokens)
             over = (self._over(seqs_if_taken, tokens_if_taken, longest_if_taken)

@@ -36,14 +36,15 @@ def _equal_runs(values: list) -> list[tuple]:
 class PackedPrefill:
     """Prompts packed end to end: positions restart at 0 for every sequence, or at the tokens it
     found in the prefix cache (cached[i]: those are in its cache row already, and only its other
-    tokens are computed: lengths[i] of them)."""
+    tokens are computed: lengths[i] of them). stored: the prefix cache's blocks that each layer's
+    keys of these rows also go to (prefix_cache.BlockWrites), or None."""
 
     __slots__ = ("backend", "lengths", "cached", "kv_lengths", "groups", "positions", "last", "cache", "first_row",
-                 "last_only", "scoring", "last_kept", "cu_lengths", "masks")
+                 "last_only", "scoring", "last_kept", "cu_lengths", "masks", "stored")
 
     def __init__(self, backend: AttentionBackend, lengths: list[int], device: torch.device,
                  cache: SlabCache | None = None, first_row: int = 0, whole: list[bool] | None = None,
-                 cached: list[int] | None = None) -> None:
+                 cached: list[int] | None = None, stored=None) -> None:
         self.backend = backend  # (attention_backends.py)
         self.lengths = lengths
         # None where no prompt found a cached prefix; else the keys each prompt's last query sees.
@@ -78,6 +79,7 @@ class PackedPrefill:
         self.first_row = first_row
         self.masks: dict = {}  # a backend's masks, made at the first layer and read by the others
         self.last_only = False  # set by the model for its last layer: only last tokens' outputs matter
+        self.stored = stored
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens (or sequences), heads * dim]."""
@@ -89,6 +91,8 @@ class PackedPrefill:
                 keys[row:row + count, :, skip:stop] = k[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
                 values[row:row + count, :, skip:stop] = v[start:end].view(count, length, kv_heads, dim).transpose(1, 2)
                 row += count
+        if self.stored is not None:
+            self.stored.write(layer, k, v)
         return self.backend.prefill(self, layer, q, k, v, scale)
 
 

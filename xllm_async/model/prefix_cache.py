@@ -10,19 +10,26 @@ block's token ids and its parent's chain key: a wrong hit would need two differe
 64-bit chain keys collide.
 
 One store serves every execution slot (their threads look up and store concurrently): a pool of
-blocks [layers, 2, kv_heads, blocks, BLOCK_TOKENS, head_dim] out of XLLM_KV_CACHE_BYTES,
+blocks [layers, 2, blocks, BLOCK_TOKENS, kv_heads, head_dim] out of XLLM_KV_CACHE_BYTES,
 evicted least recently used. A batch's cache stays a rectangle of per-sequence slabs
-(kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill, and a
-prompt's new full blocks copied from its slab after it. Laid out so, consecutive blocks are one
-run of tokens in every layer and head, as a slab is, and a prompt's blocks (taken together, in
-order) go to and from its slab in one copy, not one a block. A block is pinned, never evicted,
-from a request's admission to the end of its prefill (BatchBudget.take), and while it is copied.
+(kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill. A
+prompt's new full blocks are taken before its prefill (reserve) and every layer writes their keys
+straight from the packed rows it computed (BlockWrites, called by PackedPrefill.attend), so a
+prompt that keeps no cache of its own (one token out) needs no slab, and nothing is copied twice;
+they are found once the prefill is done (commit). Laid out so, consecutive blocks are one run of
+tokens in every layer, as the packed rows are (a plain copy, where head-major blocks made it a
+transposing one, a third slower: storing is on every miss's path, loading only on a hit's), and a
+prompt's blocks (taken together, in order) go to and from its rows or slab in one copy a layer,
+not one a block. A block is pinned, never evicted, from a request's admission to the end of its
+prefill (BatchBudget.take), and while it is written.
 A prompt always computes at least its last token (its logits are what the prefill is for), so at
 most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 from collections import OrderedDict
 
@@ -34,6 +41,12 @@ from .kv_cache import KvLayout
 # our attention kernel (csrc/varlen_attention.cpp); small, so that a history that grew by a few
 # tokens finds all but its last few tokens.
 BLOCK_TOKENS = 32
+
+
+# A batch's prefill is split for a prefix its own prompts share (shared_split) only where a later
+# prompt would find at least this many more blocks: each turn is one more forward, whose fixed cost
+# (every layer's calls) a few blocks' compute pays for.
+MIN_SHARED_BLOCKS = 2
 
 
 class PrefixHit:
@@ -61,6 +74,24 @@ def chain_keys(prompt: list[int]) -> list[int]:
     return keys
 
 
+def shared_split(prompts: list[list[int]], hits: list[PrefixHit]) -> int:
+    """Where a batch's prefill splits in two turns (len(prompts): none): the first prompt that would
+    find MIN_SHARED_BLOCKS more blocks than its hit, had the prompts before it stored theirs. The
+    prompts before it go first and store their blocks; it and those after it are looked up again."""
+    computed: set[int] = set()  # chain keys the prompts so far store
+    for j, (prompt, hit) in enumerate(zip(prompts, hits)):
+        found = len(hit.blocks)
+        more = 0
+        for key in hit.keys[found:(len(prompt) - 1) // BLOCK_TOKENS]:
+            if key not in computed:
+                break
+            more += 1
+        if more >= MIN_SHARED_BLOCKS:
+            return j
+        computed.update(hit.keys[found:])
+    return len(prompts)
+
+
 class PrefixStore:
     """Blocks of prompts' keys and values shared by every slot (see the module's docstring).
     Thread-safe: the index, pins and recency live under one lock; copies run outside it, on
@@ -71,6 +102,7 @@ class PrefixStore:
         self.capacity = blocks
         self.device = device
         self._pool: torch.Tensor | None = None  # allocated by the first store
+        self._pool_memory: mmap.mmap | None = None  # what a CPU pool lies in (_allocate)
         self._lock = threading.Lock()
         self._index: dict[int, int] = {}  # chain key -> block
         self._recency: OrderedDict[int, None] = OrderedDict()  # indexed blocks, least recently used first
@@ -114,47 +146,98 @@ class PrefixStore:
             slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS] = self._blocks(block, count)
 
     def _blocks(self, block: int, count: int) -> torch.Tensor:
-        """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim]."""
-        return self._pool[:, :, :, block:block + count].flatten(3, 4)
+        """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim] (a view)."""
+        return self._pool[:, :, block:block + count].flatten(2, 3).transpose(2, 3)
 
     def keep(self, prompt: list[int], hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
         """After the prompt's prefill wrote its keys into cache row `row`: copy its full blocks that
         the store lacks into it, as far as blocks can be freed (pinned ones never are)."""
+        writes = self.reserve([prompt], [hit], [0])
+        try:
+            for start, block, count in writes.runs:  # (one prompt, none skipped: its rows are its tokens)
+                self._blocks(block, count).copy_(slabs[:, :, row, :, start:start + count * BLOCK_TOKENS])
+        except BaseException:
+            self.abandon(writes)
+            raise
+        self.commit(writes)
+
+    def reserve(self, prompts: list[list[int]], hits: list[PrefixHit], skips: list[int]) -> BlockWrites:
+        """Before a prefill of these prompts packed end to end, prompt i from its token skips[i]
+        on (hits[i].tokens, or 0 where its hit is not used): take a block for each of their full
+        blocks that the store lacks, as far as blocks can be freed, for the forward to write
+        (BlockWrites.write) and commit() to index; abandon() them if it fails."""
         with self._lock:
             if self._pool is None and self.capacity:
-                lay = self.layout
-                self._pool = torch.empty(lay.layers, 2, lay.kv_heads, self.capacity, BLOCK_TOKENS, lay.head_dim,
-                                         dtype=lay.dtype, device=self.device)
-            missing, taken = [], []
-            for i in range(len(hit.blocks), len(hit.keys)):
-                if hit.keys[i] in self._index:
-                    continue
-                block = self._take()
-                if block is None:
-                    break
-                self._pins[block] += 1  # (not indexed yet: no lookup finds it while it is written)
-                missing.append(i)
-                taken.append(block)
-            wanted = list(zip(missing, sorted(taken)))  # (in order: as few runs to copy as can be)
-        for i, block, count in _runs(wanted):
-            self._blocks(block, count).copy_(slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS])
+                self._allocate()
+            wanted, start, taking = [], 0, self.capacity > 0
+            for prompt, hit, skip in zip(prompts, hits, skips):
+                for i in range(len(hit.blocks), len(hit.keys) if taking else 0):
+                    if hit.keys[i] in self._index:
+                        continue
+                    block = self._take()
+                    if block is None:
+                        taking = False
+                        break
+                    self._pins[block] += 1  # (not indexed yet: no lookup finds it while it is written)
+                    wanted.append((start + i * BLOCK_TOKENS - skip, hit.keys[i - 1] if i else 0, hit.keys[i],
+                                   prompt[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS], block))
+                start += len(prompt) - skip
+        # The blocks in order of the rows they hold: as few runs to write as can be.
+        blocks = sorted(entry[-1] for entry in wanted)
+        wanted = [entry[:-1] + (block,) for entry, block in zip(wanted, blocks)]
+        return BlockWrites(self._pool, wanted, hits)
+
+    def _allocate(self) -> None:
+        """The pool. On a CPU, in an anonymous block advised for transparent huge pages: until the
+        pool has filled once, every miss writes its blocks into pages never touched, and the
+        kernel's faulting and zeroing of them cost more than the write itself (4 KiB pages: 2.5x
+        a touched page's write for one-token misses of 320 tokens, perf/prefix_miss.py);
+        2 MiB pages, a quarter less. Not touched ahead: like the slots' arenas, it takes memory
+        as it is used."""
+        lay = self.layout
+        shape = (lay.layers, 2, self.capacity, BLOCK_TOKENS, lay.kv_heads, lay.head_dim)
+        if self.device.type != "cpu":
+            self._pool = torch.empty(shape, dtype=lay.dtype, device=self.device)
+            return
+        size, huge = math.prod(shape) * lay.dtype.itemsize, 2 << 20
+        self._pool_memory = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._pool_memory.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # not Linux, or no transparent huge pages: 4 KiB pages
+            pass
+        raw = torch.frombuffer(self._pool_memory, dtype=torch.uint8)
+        start = -raw.data_ptr() % huge
+        self._pool = raw[start:start + size].view(lay.dtype).view(shape)
+
+    def commit(self, writes: BlockWrites) -> None:
+        """The forward wrote the reserved blocks: index them (a block another slot, or another prompt
+        of the batch, stored meanwhile is freed), and each prompt's chain the most recent: its first
+        block the most recent, its last the least, so that eviction takes a chain from its end (a
+        block whose parent went is found by no lookup, and waits to be evicted)."""
+        written = {}
         with self._lock:
-            for i, block in wanted:
+            for _, parent, key, tokens, block in writes.blocks:
                 self._pins[block] -= 1
-                key = hit.keys[i]
-                if key in self._index:  # another slot stored the same block meanwhile
+                if key in self._index or key in written:
                     self._free.append(block)
-                    continue
-                self._index[key] = block
-                self._identity[block] = (key, hit.keys[i - 1] if i else 0,
-                                         tuple(prompt[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]))
-                self._recency[block] = None
-            # The prompt's first block the most recent, its last the least: eviction takes a chain
-            # from its end (a block whose parent went is found by no lookup, and waits to be evicted).
-            for key in reversed(hit.keys):
-                block = self._index.get(key)
-                if block is not None:
-                    self._recency.move_to_end(block)
+                else:
+                    written[key] = (block, (key, parent, tuple(tokens)))
+            for hit in writes.hits:
+                for key in reversed(hit.keys):
+                    new = written.pop(key, None)
+                    if new is not None:
+                        block, self._identity[new[0]] = new
+                        self._index[key] = block
+                        self._recency[block] = None
+                    elif (block := self._index.get(key)) is not None:
+                        self._recency.move_to_end(block)
+
+    def abandon(self, writes: BlockWrites) -> None:
+        """The prefill failed: its reserved blocks go back unindexed."""
+        with self._lock:
+            for *_, block in writes.blocks:
+                self._pins[block] -= 1
+                self._free.append(block)
 
     def release(self, hit: PrefixHit) -> None:
         """The hit's blocks were copied: they may be evicted again."""
@@ -183,12 +266,13 @@ class PrefixStore:
                 return block
         return None
 
-    def claim(self, prompts: list[list[int]], slabs: torch.Tensor, first: int,
+    def claim(self, prompts: list[list[int]], slabs: torch.Tensor | None = None, first: int = 0,
               whole: list[bool] | None = None, held: list[PrefixHit | None] | None = None) -> list[PrefixHit]:
         """A batch's lookups, its prompts in cache rows first.. of slabs: each prompt's longest cached
-        prefix copied into its row (none for a prompt whose every position is scored: whole[i]).
-        held[i]: prompt i's hit as admission matched it (pinned again here; the caller releases its
-        own pin), or None: matched here. Release them (release_all) once the prefill is done."""
+        prefix (none for a prompt whose every position is scored: whole[i]), copied into its row
+        where slabs are given (else load() them). held[i]: prompt i's hit as admission matched it
+        (pinned again here; the caller releases its own pin), or None: matched here. Release them
+        (release_all) once the prefill is done."""
         hits = []
         try:
             for i, prompt in enumerate(prompts):
@@ -198,7 +282,8 @@ class PrefixStore:
                 else:
                     self._pin(hit.blocks, 1)
                 hits.append(hit)
-                self.load(hit, slabs, first + i)
+                if slabs is not None:
+                    self.load(hit, slabs, first + i)
         except BaseException:
             self.release_all(hits)
             raise
@@ -214,12 +299,36 @@ class PrefixStore:
             self.release(hit)
 
 
-def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(block of the prompt, block of the store) pairs -> runs consecutive in both: (first of the
-    prompt, first of the store, count)."""
+class BlockWrites:
+    """A prefill's new full blocks, taken in the store (PrefixStore.reserve): each layer's keys and
+    values go straight from the forward's packed rows into them, a copy a run of blocks that are
+    consecutive both in the rows and in the store (one for a batch of whole-block prompts)."""
+
+    __slots__ = ("pool", "blocks", "hits", "runs")
+
+    def __init__(self, pool: torch.Tensor, blocks: list[tuple], hits: list[PrefixHit]) -> None:
+        self.pool = pool
+        self.blocks = blocks  # (first packed row, parent key, chain key, token ids, store block) of each
+        self.hits = hits
+        self.runs = _runs([(row, block) for row, *_, block in blocks], BLOCK_TOKENS)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's keys and values of the packed rows (k, v [rows, kv_heads, dim]) into the blocks."""
+        if not self.runs:
+            return
+        keys, values = self.pool[layer, 0].flatten(0, 1), self.pool[layer, 1].flatten(0, 1)  # [tokens, kv_heads, dim]
+        for row, block, count in self.runs:
+            rows, start = count * BLOCK_TOKENS, block * BLOCK_TOKENS
+            keys[start:start + rows] = k[row:row + rows]
+            values[start:start + rows] = v[row:row + rows]
+
+
+def _runs(pairs: list[tuple[int, int]], step: int = 1) -> list[tuple[int, int, int]]:
+    """(where a block of the prompt is, block of the store) pairs -> runs consecutive in both (the
+    first `step` apart): (the first's place, first of the store, count)."""
     runs: list[tuple[int, int, int]] = []
     for i, block in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == block:
+        if runs and runs[-1][0] + runs[-1][2] * step == i and runs[-1][1] + runs[-1][2] == block:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((i, block, 1))

@@ -1,5 +1,5 @@
 """What a model folder says that both runners read the same way: the dtype to
-run in and the ids that end a generation."""
+run in, the ids that end a generation, its generation config."""
 
 from __future__ import annotations
 
@@ -30,3 +30,13 @@ def eos_ids(tokenizer, *sources) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def generation_config(model_dir: str):
+    """The folder's generation_config.json (None where it has none)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None

@@ -12,7 +12,6 @@ load_runner() picks one and says which in the log.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -29,7 +28,8 @@ from ..model.llama import ModelShape, use_fused_kernels
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
 from ..model.scoring import score_prompt
 from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, linear_name, on_host
-from .checkpoint import eos_ids, resolve_dtype
+from .cached_prefill import CachedPrefill
+from .checkpoint import eos_ids, generation_config, resolve_dtype
 from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
 from .host_memory import one_intra_op_thread, pack_weights
@@ -37,7 +37,7 @@ from .weights import load_weights
 
 log = logging.getLogger("xllm_async.model")
 
-class ModelRunner(Runner):
+class ModelRunner(CachedPrefill, Runner):
     """Our own model code, loaded once, shared read-only by every execution thread;
     each thread keeps its own key/value arena (allocated once, on first use)."""
 
@@ -73,7 +73,7 @@ class ModelRunner(Runner):
         self._beam_topk = choose_beam_topk(device, self.dtype)
         self.vocab_size = shape.vocab
         self.max_model_len = int(shape.max_positions or 2048)
-        generation = _generation_config(model_dir)
+        generation = generation_config(model_dir)
         self.eos_token_ids = eos_ids(self.tokenizer, generation, self.config)
         self.kv_layout = KvLayout(shape.layers, shape.kv_heads, shape.head_dim, self.dtype)
         self.kv_tokens = 0  # per slot, set by set_kv_cache()
@@ -193,46 +193,21 @@ class ModelRunner(Runner):
         return Prefilled(head(hidden[ctx.last_kept]), cache, cached, scores)
 
     def _packed(self, prompts: list[list[int]], capacity: int, into: SlabCache | None,
-                whole: list[bool] | None, between_layers: Callable[[], None] | None, hits: list | None,
+                whole: list[bool] | None, between_layers: Callable[[], None] | None, held: list | None,
                 ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill, list[int] | None]:
         lengths = [len(p) for p in prompts]
-        cache, first = into, 0
-        if capacity or into is not None or self._slab_for_prefixes(lengths):
-            capacity = max(capacity, max(lengths))
-            if cache is None:
-                cache = SlabCache(self._arena(), len(prompts), capacity)
-            first = cache.add_rows(lengths, capacity)
-        hidden, ctx, cached = self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
-        return hidden, cache, ctx, cached
-
-    def _slab_for_prefixes(self, lengths: list[int]) -> bool:
-        """Whether prompts that need no cache of their own (one token each, a single beam round) get
-        one anyway: with a prefix cache, for their prefix to be copied into and their blocks kept
-        from, where this slot's arena holds them (admission counts it: BatchBudget.take)."""
-        return self.prefix_store is not None and len(lengths) * max(lengths) <= self.kv_tokens
-
-    def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
-                      between_layers: Callable[[], None] | None, held: list | None,
-                      ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
-        """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
-        prompt's tokens served from the prefix cache (None without one). With a prefix cache, each
-        prompt's cached prefix (held[i], else matched now) goes into its row first and only the rest
-        is computed."""
-        store = self.prefix_store if cache is not None else None
-        hits = store.claim(prompts, cache.slabs, first, whole, held) if store is not None else []
+        hits = self._claim(prompts, whole, held)
         try:
-            skips = [hit.tokens for hit in hits] or [0] * len(prompts)
-            ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
-                                cache, first, whole, skips)
-            rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
-            tokens = list(itertools.chain.from_iterable(rest))
-            hidden = self._forward(tokens, ctx, between_layers)
-            if store is not None:  # (a prefill that failed keeps nothing)
-                store.keep_all(prompts, hits, cache.slabs, first)
+            cache, first = into, 0
+            if capacity or into is not None or self._slab_for_prefixes(lengths, hits):
+                capacity = max(capacity, max(lengths))
+                if cache is None:
+                    cache = SlabCache(self._arena(), len(prompts), capacity)
+                first = cache.add_rows(lengths, capacity)
+            hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits)
         finally:
-            if hits:
-                store.release_all(hits)
-        return hidden, ctx, (skips if self.prefix_store is not None else None)
+            self._release(hits)
+        return hidden, cache, ctx, cached
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
                ) -> torch.Tensor:
@@ -254,14 +229,18 @@ class ModelRunner(Runner):
         the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
         lengths = [len(p) for p in prompts]
         cache = own = None
-        if rounds > 1 or self._slab_for_prefixes(lengths):
-            arena = self._arena()
-            cache = SlabCache(arena, len(prompts), max(lengths))
-            cache.add_rows(lengths, max(lengths))
-        if rounds > 1:
-            # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
-            own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-        hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, hits)
+        claimed = self._claim(prompts, None, hits)
+        try:
+            if rounds > 1 or self._slab_for_prefixes(lengths, claimed):
+                arena = self._arena()
+                cache = SlabCache(arena, len(prompts), max(lengths))
+                cache.add_rows(lengths, max(lengths))
+            if rounds > 1:
+                # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
+                own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
+            hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed)
+        finally:
+            self._release(claimed)
         return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
@@ -284,15 +263,6 @@ class ModelRunner(Runner):
     def topk_logsumexp(self):
         """Our beam top-k kernel where logits are bfloat16 on a CPU that has it (execution/runner.py)."""
         return self._beam_topk
-
-
-def _generation_config(model_dir: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        return None
 
 
 def load_runner(model_dir: str, device: torch.device, dtype: str = "auto", engine: str = "auto",
