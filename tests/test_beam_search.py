@@ -404,24 +404,37 @@ def write_table(path, items) -> None:
     os.replace(tmp, path)  # as a deployment would: the server never reads half a file
 
 
-def wait_for_loads(port: int, result: str, count: int) -> None:
-    import time
-
-    from .test_observability import sample_value, scrape
-
-    for _ in range(600):  # 60 s at most: a reload of a few hundred items takes milliseconds
-        value = sample_value(scrape(port), "xllm:item_table_loads", "xllm:item_table_loads_total", 0.0,
-                             result=result)
-        if value >= count:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no {count} {result} loads")
+FIRST = [(f"old-{i}", key) for i, key in enumerate(ITEMS[:100])]
 
 
-def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(tiny_model_dir, tmp_path, beam_expected):
+@pytest.fixture(scope="module")
+def reloading(tiny_model_dir, tmp_path_factory):
+    """A server on a table file that the reload tests rewrite, then reload (SIGHUP); FIRST at start-up."""
+    path = tmp_path_factory.mktemp("reload") / "items.tsv"
+    write_table(path, FIRST)
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
+    yield server, path
+    server.stop()
+
+
+def sighup_reload(server, result: str) -> None:
+    """SIGHUP, then until one more reload has ended in `result` ("ok" or "error")."""
     import os
     import signal
 
+    from .test_observability import sample_value, scrape
+
+    def loads() -> float:
+        return sample_value(scrape(server.port), "xllm:item_table_loads", "xllm:item_table_loads_total", 0.0,
+                            result=result)
+
+    before = loads()
+    os.kill(server.proc.pid, signal.SIGHUP)
+    # (60 s at most: a reload of a few hundred items takes milliseconds)
+    wait_until(lambda: loads() > before, timeout=60, what=f"a reload ending {result!r}")
+
+
+def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(reloading, beam_expected):
     import orjson
 
     from .client import get
@@ -429,47 +442,41 @@ def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(tiny_model_di
     def server_info() -> dict:
         return orjson.loads(get(server.port, "/server_info")[1])
 
-    path = tmp_path / "items.tsv"
-    first = [(f"old-{i}", key) for i, key in enumerate(ITEMS[:100])]
+    server, path = reloading
     second = [(f"new-{i}", key) for i, key in enumerate(ITEMS[100:250])]
-    write_table(path, first)
-    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
-    try:
-        prompt = beam_expected[0][0]
-        info = server_info()
-        assert info["item_count"] == 100 and info["item_tuples"] == 100
-        version = info["item_table_version"]
-        write_table(path, second)
-        os.kill(server.proc.pid, signal.SIGHUP)
-        wait_for_loads(server.port, "ok", 2)
-        info = server_info()
-        assert info["item_count"] == 150 and info["item_table_version"] != version
-        status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
-        assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
-        path.write_text("broken line without a tab\n")
-        os.kill(server.proc.pid, signal.SIGHUP)
-        wait_for_loads(server.port, "error", 1)
-        assert "the old table stays" in server.log() and ":1:" in server.log()
-        status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
-        assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
-        info = server_info()
-        assert info["item_count"] == 150
-    finally:
-        server.stop()
+    prompt = beam_expected[0][0]
+    if server_info()["item_count"] != len(FIRST):  # (the module's other reload test ran first)
+        write_table(path, FIRST)
+        sighup_reload(server, "ok")
+    info = server_info()
+    assert info["item_count"] == 100 and info["item_tuples"] == 100
+    version = info["item_table_version"]
+    write_table(path, second)
+    sighup_reload(server, "ok")
+    info = server_info()
+    assert info["item_count"] == 150 and info["item_table_version"] != version
+    status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
+    assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
+    logged = len(server.log())
+    path.write_text("broken line without a tab\n")
+    sighup_reload(server, "error")
+    assert "the old table stays" in server.log()[logged:] and ":1:" in server.log()[logged:]
+    status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
+    assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
+    info = server_info()
+    assert info["item_count"] == 150
 
 
-def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expected):
+def test_reloads_under_load_fail_no_request(reloading, beam_expected):
     """8 clients keep beam searches running while the table changes 3 times (once to a bad
     file): every request is answered 200, with items of one of the tables it could have met."""
-    import os
-    import signal
     import threading
 
-    path = tmp_path / "items.tsv"
+    server, path = reloading
     tables = [[(f"t{t}-{i}", key) for i, key in enumerate(ITEMS[t * 50:t * 50 + 120])] for t in range(3)]
     valid = {name: key for table in tables for name, key in table}
     write_table(path, tables[0])
-    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
+    sighup_reload(server, "ok")
     stop = threading.Event()
     answers = []
 
@@ -492,8 +499,7 @@ def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expec
                 path.write_text("x\t1 -2 3\n")  # a negative id fails the checks
             else:
                 write_table(path, table)
-            os.kill(server.proc.pid, signal.SIGHUP)
-            wait_for_loads(server.port, "error" if table is None else "ok", 1 if table is None else 2 + (n > 0))
+            sighup_reload(server, "error" if table is None else "ok")
         count = len(answers)
         while len(answers) < count + 8:
             threading.Event().wait(0.05)
@@ -501,7 +507,6 @@ def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expec
         stop.set()
         for t in threads:
             t.join(120)
-        server.stop()
     assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200][:3]
     for _, body in answers:
         tables_seen = {c["item_id"].split("-")[0] for c in body["choices"]}
