@@ -105,7 +105,8 @@ def free_port() -> int:
 class ServerProcess:
     """server.py in a subprocess on a free loopback port."""
 
-    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180, port: int | None = None) -> None:
+    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180, port: int | None = None,
+                 wait: bool = True) -> None:
         self.port = port or free_port()  # a given port: a replica restarted where its balancer expects it
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"xllm-test-{self.port}.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the server's whole life)
@@ -117,7 +118,13 @@ class ServerProcess:
             env={"XLLM_DTYPE": "float32", **os.environ, **self.hold.env, **(env or {})},
             cwd=ROOT,
         )
-        self._wait_ready(timeout)
+        self.timeout = timeout
+        if wait:  # (wait=False: the caller calls wait_ready(), as start_together does)
+            self.wait_ready()
+
+    def wait_ready(self) -> ServerProcess:
+        self._wait_ready(self.timeout)
+        return self
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -130,7 +137,7 @@ class ServerProcess:
                 if conn.getresponse().status == 200:
                     return
             except OSError:
-                time.sleep(0.2)
+                time.sleep(0.05)  # (a start-up takes seconds: a check every 50 ms costs nothing)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
 
@@ -149,6 +156,20 @@ class ServerProcess:
         self.hold.remove()
 
 
+def start_together(*specs: tuple[list[str], dict | None]) -> list[ServerProcess]:
+    """Servers of (args, env) each, started at once and waited for together: a start-up is mostly
+    one core's work (imports, the model's load), so two take about the time of one on two cores."""
+    started = []
+    try:
+        for args, env in specs:
+            started.append(ServerProcess(args, env, wait=False))
+        return [server.wait_ready() for server in started]
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+
+
 CONFIGS = {
     "fixed_steps-N2": ["--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "2"],
     "fixed_steps-N1": ["--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "1"],
@@ -157,16 +178,20 @@ CONFIGS = {
 
 
 class ServerPool:
-    """Servers of one model and arguments, one per configuration of CONFIGS, each started when a
-    test first asks for it: pool(name)."""
+    """Servers of one model and arguments, one per configuration of CONFIGS, started when a test
+    first asks for one of them: pool(name). The configurations of `together` (those its tests use)
+    start at the first such call, all at once (start_together)."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], together: tuple[str, ...] = ()) -> None:
         self.args = args
+        self.together = together
         self.started: dict[str, ServerProcess] = {}
 
     def __call__(self, name: str) -> ServerProcess:
         if name not in self.started:
-            self.started[name] = ServerProcess([*self.args, *CONFIGS[name]])
+            names = [name, *(n for n in self.together if n != name and n not in self.started)]
+            for n, server in zip(names, start_together(*(([*self.args, *CONFIGS[n]], None) for n in names))):
+                self.started[n] = server
         return self.started[name]
 
     def stop(self) -> None:
@@ -176,7 +201,8 @@ class ServerPool:
 
 @pytest.fixture(scope="session")
 def servers(tiny_model_dir):
-    pool = ServerPool(["--model", tiny_model_dir, "--served-model-name", "tiny", "--max-seqs-per-batch", "8"])
+    pool = ServerPool(["--model", tiny_model_dir, "--served-model-name", "tiny", "--max-seqs-per-batch", "8"],
+                      together=tuple(CONFIGS))  # (any_server's tests, in many files, ask for all three)
     yield pool
     pool.stop()
 
@@ -193,12 +219,22 @@ def server(servers) -> ServerProcess:
     return servers("fixed_steps-N2")
 
 
-@pytest.fixture(scope="module", params=["fixed_steps-N2", "continuous-N1"])
-def cached_server(request, tiny_model_dir):
+CACHED_CONFIGS = {"fixed_steps-N2": ("fixed_steps", "2"), "continuous-N1": ("continuous", "1")}
+
+
+@pytest.fixture(scope="module")
+def cached_servers(tiny_model_dir):
+    """Both of cached_server's servers, started together (start_together)."""
+    started = start_together(*((["--model", tiny_model_dir, "--served-model-name", "tiny", "--scheduler", scheduler,
+                                  "--concurrent-execute-stream-num", slots],
+                                 {"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"})
+                                for scheduler, slots in CACHED_CONFIGS.values()))
+    yield dict(zip(CACHED_CONFIGS, started))
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module", params=list(CACHED_CONFIGS))
+def cached_server(request, cached_servers):
     """A server with the prefix cache on, under each scheduler (the store lives as long as the module's tests)."""
-    scheduler, slots = {"fixed_steps-N2": ("fixed_steps", "2"), "continuous-N1": ("continuous", "1")}[request.param]
-    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--scheduler", scheduler,
-                            "--concurrent-execute-stream-num", slots],
-                           env={"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"})
-    yield server
-    server.stop()
+    return cached_servers[request.param]

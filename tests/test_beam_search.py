@@ -224,16 +224,28 @@ def test_item_table_search_returns_only_items_and_equals_transformers(item_serve
             assert math.isclose(choice["cumulative_logprob"], score, abs_tol=1e-3)
 
 
-def test_a_table_with_fewer_items_than_asked_returns_all_of_them(tiny_model_dir, tmp_path, beam_expected):
-    table = tmp_path / "three.tsv"
-    table.write_text("a\t5 6\nb\t5 7\nc\t9 6\n")
+SHARED = [  # (item id, tuple): several items spell some tuples; the server must keep every one
+    ("p-1", (1001, 2002, 3003)), ("p-2", (1001, 2002, 3004)), ("p-3", (1001, 2002, 3003)),
+    ("p-4", (1002, 2001, 3001)), ("p-5", (1001, 2002, 3003)), ("p-6", (1002, 2001, 3001)),
+    ("p-7", (1003, 2003, 3002)),
+]
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_model_dir, tmp_path_factory):
+    """A table of SHARED: 7 items, 4 distinct tuples (fewer than most searches ask for)."""
+    table = tmp_path_factory.mktemp("shared") / "shared.tsv"
+    table.write_text("".join(f"{item}\t{' '.join(map(str, key))}\n" for item, key in SHARED))
     server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)])
-    try:
-        status, body, _ = beam_request(server.port, beam_expected[0][0], 8, 8, 2)
-        assert status == 200, body
-        assert sorted(c["item_id"] for c in body["choices"]) == ["a", "b", "c"]
-    finally:
-        server.stop()
+    yield server
+    server.stop()
+
+
+def test_a_table_with_fewer_items_than_asked_returns_all_of_them(shared_server, beam_expected):
+    status, body, _ = beam_request(shared_server.port, beam_expected[0][0], 8, 8, 3)
+    assert status == 200, body
+    assert len(body["choices"]) == len({key for _, key in SHARED})  # 4 of the 8 asked: every tuple there is
+    assert sorted(i for c in body["choices"] for i in c["item_ids"]) == sorted(item for item, _ in SHARED)
 
 
 @pytest.mark.parametrize("body,param", [
@@ -244,36 +256,6 @@ def test_a_table_with_fewer_items_than_asked_returns_all_of_them(tiny_model_dir,
 def test_bad_item_requests_get_400(item_server, body, param):
     status, answer, _ = post(item_server.port, "/v1/completions", {"prompt": [1, 2, 3], **body})
     assert status == 400 and answer["error"]["param"] == param, answer
-
-
-def test_item_table_of_mixed_lengths_stops_start_up_naming_the_line(tiny_model_dir, tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from .conftest import ROOT
-
-    bad = tmp_path / "items.tsv"
-    bad.write_text("a\t1 2 3\nb\t4 5\n")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--model", tiny_model_dir,
-                           "--item-table", str(bad)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "XLLM_ITEM_TABLE" in proc.stderr and ":2:" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_a_bad_item_table_stops_start_up_with_one_line(tiny_model_dir, tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from .conftest import ROOT
-
-    bad = tmp_path / "items.tsv"
-    bad.write_text("sku-1 1 2 3\n")  # no tab
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--model", tiny_model_dir,
-                           "--item-table", str(bad)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "XLLM_ITEM_TABLE" in proc.stderr and ":1:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_beam_metrics_count_prompts_beams_and_items(item_server):
@@ -290,64 +272,74 @@ def test_beam_metrics_count_prompts_beams_and_items(item_server):
 
 # --- catalogue features: shared tuples, checks, per-request filters, reload ---
 
-def start_server_expecting_failure(tiny_model_dir, table) -> str:
+def tiny_vocab_size(model_dir: str) -> int:
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def test_a_bad_item_table_stops_start_up_with_one_line(tiny_model_dir, tmp_path):
+    """The real server on a table that fails a check: exit 2, one line naming the setting, the line
+    and the value, no traceback. A token beyond the model's vocabulary: the check only the server
+    can make (it knows the vocabulary), so this also proves the server hands the loader its model's.
+    Every other check is the loader's, raised the same way: tested in-process below, no server each."""
     import os
     import subprocess
     import sys
 
     from .conftest import ROOT
 
+    table = tmp_path / "items.tsv"
+    table.write_text("# header\na\t5 6\nb\t5 7\nd\t5 999999\n")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--model", tiny_model_dir,
                            "--item-table", str(table)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    return proc.stderr
+    assert "XLLM_ITEM_TABLE" in proc.stderr and ":4:" in proc.stderr and "999999" in proc.stderr, proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "999999" in line]) == 1, proc.stderr
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("d\t5 -6\n", "non-negative"),
-    ("d\t5 999999\n", "999999"),  # beyond the tiny model's vocabulary
-    ("a\t5 8\n", "'a' appears again"),
+@pytest.mark.parametrize("text,line,needle", [
+    ("sku-1 1 2 3\n", 1, "<TAB>"),  # no tab
+    ("a\t1 2 3\nb\t4 5\n", 2, "an item of 2 tokens"),  # mixed lengths
+    ("# header\na\t5 6\nb\t5 7\nd\t5 -6\n", 4, "non-negative"),
+    ("# header\na\t5 6\nb\t5 7\nd\t5 999999\n", 4, "999999"),  # beyond the tiny model's vocabulary
+    ("# header\na\t5 6\nb\t5 7\na\t5 8\n", 4, "'a' appears again"),
 ])
-def test_a_table_with_a_bad_token_or_repeated_id_stops_start_up_naming_line_and_value(tiny_model_dir, tmp_path,
-                                                                                    line, needle):
+def test_a_table_that_fails_a_check_is_refused_naming_line_and_value(tiny_model_dir, tmp_path, text, line, needle):
+    """What the server's start-up (and a SIGHUP's reload) calls, in-process: the error the server
+    prints as its one line (test_a_bad_item_table_stops_start_up_with_one_line)."""
+    from xllm_async.api.items import ItemTable, ItemTableError
+
     table = tmp_path / "items.tsv"
-    table.write_text("# header\na\t5 6\nb\t5 7\n" + line)
-    stderr = start_server_expecting_failure(tiny_model_dir, table)
-    assert "XLLM_ITEM_TABLE" in stderr and ":4:" in stderr and needle in stderr
+    table.write_text(text)
+    with pytest.raises(ItemTableError) as caught:
+        ItemTable.load(str(table), tiny_vocab_size(tiny_model_dir))
+    message = str(caught.value)
+    assert f"{table}:{line}:" in message and needle in message and "\n" not in message, message
 
 
-SHARED = [  # (item id, tuple): several items spell some tuples; the server must keep every one
-    ("p-1", (1001, 2002, 3003)), ("p-2", (1001, 2002, 3004)), ("p-3", (1001, 2002, 3003)),
-    ("p-4", (1002, 2001, 3001)), ("p-5", (1001, 2002, 3003)), ("p-6", (1002, 2001, 3001)),
-    ("p-7", (1003, 2003, 3002)),
-]
-
-
-def test_items_sharing_a_tuple_are_all_returned_in_file_order(tiny_model_dir, tmp_path, beam_expected):
-    table = tmp_path / "shared.tsv"
-    table.write_text("".join(f"{item}\t{' '.join(map(str, key))}\n" for item, key in SHARED))
-    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)])
-    try:
-        status, body, _ = beam_request(server.port, beam_expected[0][0], 8, 8, 3)
-        assert status == 200, body
-        expected = {}
-        for item, key in SHARED:
-            expected.setdefault(key, []).append(item)
-        assert len(body["choices"]) == len(expected)  # every distinct tuple comes back once
-        for choice in body["choices"]:
-            ids = expected[tuple(choice["token_ids"])]
-            assert choice["item_ids"] == ids and choice["item_id"] == ids[0]
-        assert "7 items, 4 distinct tuples of 3 tokens (2 shared by several items)" in server.log()
-        status, body, _ = post(server.port, "/v1/completions", {"prompt": [5, 6], "beam_width": 8,
-                                                                "num_return_sequences": 8,
-                                                                "exclude_item_ids": ["p-1", "p-5", "p-7"]})
-        assert status == 200, body
-        by_tuple = {tuple(c["token_ids"]): c["item_ids"] for c in body["choices"]}
-        # A shared tuple stays while one of its items does, and answers with the ones left.
-        assert by_tuple == {(1001, 2002, 3003): ["p-3"], (1001, 2002, 3004): ["p-2"],
-                            (1002, 2001, 3001): ["p-4", "p-6"]}
-    finally:
-        server.stop()
+def test_items_sharing_a_tuple_are_all_returned_in_file_order(shared_server, beam_expected):
+    server = shared_server
+    status, body, _ = beam_request(server.port, beam_expected[0][0], 8, 8, 3)
+    assert status == 200, body
+    expected = {}
+    for item, key in SHARED:
+        expected.setdefault(key, []).append(item)
+    assert len(body["choices"]) == len(expected)  # every distinct tuple comes back once
+    for choice in body["choices"]:
+        ids = expected[tuple(choice["token_ids"])]
+        assert choice["item_ids"] == ids and choice["item_id"] == ids[0]
+    assert "7 items, 4 distinct tuples of 3 tokens (2 shared by several items)" in server.log()
+    status, body, _ = post(server.port, "/v1/completions", {"prompt": [5, 6], "beam_width": 8,
+                                                            "num_return_sequences": 8,
+                                                            "exclude_item_ids": ["p-1", "p-5", "p-7"]})
+    assert status == 200, body
+    by_tuple = {tuple(c["token_ids"]): c["item_ids"] for c in body["choices"]}
+    # A shared tuple stays while one of its items does, and answers with the ones left.
+    assert by_tuple == {(1001, 2002, 3003): ["p-3"], (1001, 2002, 3004): ["p-2"],
+                        (1002, 2001, 3001): ["p-4", "p-6"]}
 
 
 def test_excluded_items_never_come_back_and_the_answer_equals_a_table_without_them(item_server, beam_expected,
@@ -412,24 +404,37 @@ def write_table(path, items) -> None:
     os.replace(tmp, path)  # as a deployment would: the server never reads half a file
 
 
-def wait_for_loads(port: int, result: str, count: int) -> None:
-    import time
-
-    from .test_observability import sample_value, scrape
-
-    for _ in range(600):  # 60 s at most: a reload of a few hundred items takes milliseconds
-        value = sample_value(scrape(port), "xllm:item_table_loads", "xllm:item_table_loads_total", 0.0,
-                             result=result)
-        if value >= count:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no {count} {result} loads")
+FIRST = [(f"old-{i}", key) for i, key in enumerate(ITEMS[:100])]
 
 
-def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(tiny_model_dir, tmp_path, beam_expected):
+@pytest.fixture(scope="module")
+def reloading(tiny_model_dir, tmp_path_factory):
+    """A server on a table file that the reload tests rewrite, then reload (SIGHUP); FIRST at start-up."""
+    path = tmp_path_factory.mktemp("reload") / "items.tsv"
+    write_table(path, FIRST)
+    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
+    yield server, path
+    server.stop()
+
+
+def sighup_reload(server, result: str) -> None:
+    """SIGHUP, then until one more reload has ended in `result` ("ok" or "error")."""
     import os
     import signal
 
+    from .test_observability import sample_value, scrape
+
+    def loads() -> float:
+        return sample_value(scrape(server.port), "xllm:item_table_loads", "xllm:item_table_loads_total", 0.0,
+                            result=result)
+
+    before = loads()
+    os.kill(server.proc.pid, signal.SIGHUP)
+    # (60 s at most: a reload of a few hundred items takes milliseconds)
+    wait_until(lambda: loads() > before, timeout=60, what=f"a reload ending {result!r}")
+
+
+def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(reloading, beam_expected):
     import orjson
 
     from .client import get
@@ -437,47 +442,41 @@ def test_sighup_reloads_the_table_and_a_bad_file_keeps_the_old_one(tiny_model_di
     def server_info() -> dict:
         return orjson.loads(get(server.port, "/server_info")[1])
 
-    path = tmp_path / "items.tsv"
-    first = [(f"old-{i}", key) for i, key in enumerate(ITEMS[:100])]
+    server, path = reloading
     second = [(f"new-{i}", key) for i, key in enumerate(ITEMS[100:250])]
-    write_table(path, first)
-    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
-    try:
-        prompt = beam_expected[0][0]
-        info = server_info()
-        assert info["item_count"] == 100 and info["item_tuples"] == 100
-        version = info["item_table_version"]
-        write_table(path, second)
-        os.kill(server.proc.pid, signal.SIGHUP)
-        wait_for_loads(server.port, "ok", 2)
-        info = server_info()
-        assert info["item_count"] == 150 and info["item_table_version"] != version
-        status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
-        assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
-        path.write_text("broken line without a tab\n")
-        os.kill(server.proc.pid, signal.SIGHUP)
-        wait_for_loads(server.port, "error", 1)
-        assert "the old table stays" in server.log() and ":1:" in server.log()
-        status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
-        assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
-        info = server_info()
-        assert info["item_count"] == 150
-    finally:
-        server.stop()
+    prompt = beam_expected[0][0]
+    if server_info()["item_count"] != len(FIRST):  # (the module's other reload test ran first)
+        write_table(path, FIRST)
+        sighup_reload(server, "ok")
+    info = server_info()
+    assert info["item_count"] == 100 and info["item_tuples"] == 100
+    version = info["item_table_version"]
+    write_table(path, second)
+    sighup_reload(server, "ok")
+    info = server_info()
+    assert info["item_count"] == 150 and info["item_table_version"] != version
+    status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
+    assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
+    logged = len(server.log())
+    path.write_text("broken line without a tab\n")
+    sighup_reload(server, "error")
+    assert "the old table stays" in server.log()[logged:] and ":1:" in server.log()[logged:]
+    status, body, _ = beam_request(server.port, prompt, 8, 8, 3)
+    assert status == 200 and all(c["item_id"].startswith("new-") for c in body["choices"]), body
+    info = server_info()
+    assert info["item_count"] == 150
 
 
-def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expected):
+def test_reloads_under_load_fail_no_request(reloading, beam_expected):
     """8 clients keep beam searches running while the table changes 3 times (once to a bad
     file): every request is answered 200, with items of one of the tables it could have met."""
-    import os
-    import signal
     import threading
 
-    path = tmp_path / "items.tsv"
+    server, path = reloading
     tables = [[(f"t{t}-{i}", key) for i, key in enumerate(ITEMS[t * 50:t * 50 + 120])] for t in range(3)]
     valid = {name: key for table in tables for name, key in table}
     write_table(path, tables[0])
-    server = ServerProcess(["--model", tiny_model_dir, "--item-table", str(path)])
+    sighup_reload(server, "ok")
     stop = threading.Event()
     answers = []
 
@@ -500,8 +499,7 @@ def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expec
                 path.write_text("x\t1 -2 3\n")  # a negative id fails the checks
             else:
                 write_table(path, table)
-            os.kill(server.proc.pid, signal.SIGHUP)
-            wait_for_loads(server.port, "error" if table is None else "ok", 1 if table is None else 2 + (n > 0))
+            sighup_reload(server, "error" if table is None else "ok")
         count = len(answers)
         while len(answers) < count + 8:
             threading.Event().wait(0.05)
@@ -509,7 +507,6 @@ def test_reloads_under_load_fail_no_request(tiny_model_dir, tmp_path, beam_expec
         stop.set()
         for t in threads:
             t.join(120)
-        server.stop()
     assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200][:3]
     for _, body in answers:
         tables_seen = {c["item_id"].split("-")[0] for c in body["choices"]}

@@ -61,13 +61,28 @@ def test_server_exits_with_one_line_and_no_traceback():
     assert "XLLM_SCHEDULER='sometimes'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_unavailable_device_exits_with_one_line(tiny_model_dir):
-    env = {**os.environ, "XLLM_DEVICES": "npu:0", "XLLM_MODEL": tiny_model_dir}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py")], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "XLLM_DEVICES='npu:0'" in proc.stderr.strip().splitlines()[-1]
+def refused_at_start_up(tiny_model_dir: str, env: dict) -> str:
+    """The ConfigError a Service of these settings stops at, in-process: what server.py prints as its
+    one line and exits 2 on (test_server_exits_with_one_line_and_no_traceback above; for a Service's
+    own refusals, test_a_bad_item_table_stops_start_up_with_one_line and
+    test_a_bad_quantization_stops_the_server_with_one_line), without a process started for each."""
+    import torch
+
+    from xllm_async.service import Service
+
+    threads = torch.get_num_threads()  # (a Service sets the loop thread's count: this process's)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            Service(load_settings([], {"XLLM_MODEL": tiny_model_dir, **env}))
+    finally:
+        torch.set_num_threads(threads)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_unavailable_device_stops_start_up_naming_it(tiny_model_dir):
+    assert "XLLM_DEVICES='npu:0'" in refused_at_start_up(tiny_model_dir, {"XLLM_DEVICES": "npu:0"})
 
 
 def test_readme_table_lists_every_setting():
@@ -87,9 +102,5 @@ def test_help_lists_every_setting(capsys):
 
 
 def test_beam_rounds_limit_below_the_default_rounds_stops_start_up(tiny_model_dir):
-    env = {**os.environ, "XLLM_MAX_BEAM_ROUNDS": "2", "XLLM_MODEL": tiny_model_dir}  # XLLM_BEAM_MAX_TOKENS is 3
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py")], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "XLLM_MAX_BEAM_ROUNDS=2" in proc.stderr.strip().splitlines()[-1]
+    # XLLM_BEAM_MAX_TOKENS is 3
+    assert "XLLM_MAX_BEAM_ROUNDS=2" in refused_at_start_up(tiny_model_dir, {"XLLM_MAX_BEAM_ROUNDS": "2"})

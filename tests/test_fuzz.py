@@ -4,10 +4,11 @@ Hypothesis draws request bodies for /v1/completions and /v1/chat/completions fro
 of every field api/requests.py reads with the type and range it accepts (a test keeps the two in
 step): each value is a valid one, a boundary of its range or of the 64-bit integers, or something
 of the wrong kind. Every answer must be 200 or a 4xx in the OpenAI error shape, never a 500 nor a
-hang; a canary request sent beside each one must get its greedy answer, computed once; the server
-must live through all of it. The HTTP fuzzer does the same with request heads and framing
-(methods, targets, header lines, Content-Length and Transfer-Encoding, chunk sizes, pipelining,
-the bytes cut into pieces): every answer a well-formed HTTP response, then a clean close.
+hang; a canary request kept in flight beside them (CanaryBeside) must get its greedy answer,
+computed once, every time; the server must live through all of it. The HTTP fuzzer does the same
+with request heads and framing (methods, targets, header lines, Content-Length and
+Transfer-Encoding, chunk sizes, pipelining, the bytes cut into pieces): every answer a well-formed
+HTTP response, then a clean close.
 
 A bounded run is part of the suite (XLLM_FUZZ_EXAMPLES a test, 100 by default); `make fuzz` keeps
 drawing for XLLM_FUZZ_SECONDS. Every failure found is fixed and kept below as an @example.
@@ -32,7 +33,7 @@ from xllm_async.api.field_table import neutral_values
 from xllm_async.api.prompts import MAX_PROMPTS, ROLES
 from xllm_async.api.requests import MAX_LOGPROBS, MAX_STOP_STRINGS
 
-from .conftest import TINY_CONTEXT, ServerProcess
+from .conftest import ServerProcess
 
 EXAMPLES = int(os.environ.get("XLLM_FUZZ_EXAMPLES", "100"))
 SECONDS = float(os.environ.get("XLLM_FUZZ_SECONDS", "0"))  # > 0: draw again and again until this is spent
@@ -41,6 +42,10 @@ MAX_N = 64  # config.py's default max_n
 MAX_BEAM = 128  # config.py's default max_beam_width and max_num_return_sequences
 VOCAB = 151669  # the Qwen3 tokenizer's size (random_model.build_qwen3 sizes the model by it)
 INT64 = 1 << 63
+# The fuzzed server's context (XLLM_MAX_MODEL_LEN; the tiny model's own is 256), its edges drawn around
+# it: a chat body without max_tokens asks for all the context left, one sequence's tokens one step at a
+# time (~250 of them took 6-10 s a draw at 256, which finds no more than ~50 do).
+CONTEXT = 64
 
 CANARY = {"prompt": [3, 1415, 9, 2600, 17], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=SECONDS == 0,
@@ -97,7 +102,7 @@ def strings(max_size: int = 12) -> st.SearchStrategy:
 
 TOKEN = ints(0, VOCAB - 1, st.integers(0, VOCAB - 1))
 TOKENS = st.one_of(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), st.lists(TOKEN, max_size=12),
-                   st.integers(TINY_CONTEXT - 2, TINY_CONTEXT + 1).map(lambda n: [7] * n), st.just([]))
+                   st.integers(CONTEXT - 2, CONTEXT + 1).map(lambda n: [7] * n), st.just([]))
 PROMPT = st.one_of(
     st.text(min_size=1, max_size=30), UNICODE, TOKENS,
     st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=4), st.lists(TOKENS, min_size=1, max_size=4),
@@ -172,7 +177,7 @@ STRUCTURED = st.one_of(st.dictionaries(
 ITEM_IDS = st.one_of(st.lists(st.one_of(strings(8), st.integers(-2, 10 ** 20)), max_size=4), WRONG)
 COMMON = {
     "model": st.one_of(st.just("tiny"), strings(6)),
-    "max_tokens": ints(0, TINY_CONTEXT, st.integers(1, 8)),
+    "max_tokens": ints(0, CONTEXT, st.integers(1, 8)),
     "temperature": floats(0.0, 100.0, st.sampled_from([0.0, 0.7, 1.0])),
     "top_p": floats(0.0, 1.0, st.sampled_from([0.5, 1.0])),
     "top_k": ints(-1, VOCAB, st.integers(-1, 50)),
@@ -197,7 +202,7 @@ COMMON = {
     "logit_bias": LOGIT_BIAS,
     "allowed_token_ids": TOKEN_LIST,
     "bad_words": BAD_WORDS,
-    "min_tokens": ints(0, TINY_CONTEXT, st.integers(0, 4)),
+    "min_tokens": ints(0, CONTEXT, st.integers(0, 4)),
     "presence_penalty": floats(-2.0, 2.0, st.sampled_from([-2.0, 0.0, 1.0])),
     "frequency_penalty": floats(-2.0, 2.0, st.sampled_from([0.0, 0.5, 2.0])),
     "repetition_penalty": floats(0.0, 3.0, st.sampled_from([0.5, 1.0, 1.3])),
@@ -222,7 +227,7 @@ CHAT_FIELDS = {
     "chat_template_kwargs": TEMPLATE_KWARGS,
     "logprobs": bools(),
     "top_logprobs": ints(0, MAX_LOGPROBS, st.integers(0, 3)),
-    "max_completion_tokens": ints(1, TINY_CONTEXT, st.integers(1, 8)),
+    "max_completion_tokens": ints(1, CONTEXT, st.integers(1, 8)),
 }
 FIELDS = {"/v1/completions": ("prompt", PROMPT, COMPLETION_FIELDS), "/v1/chat/completions": ("messages", MESSAGES,
                                                                                              CHAT_FIELDS)}
@@ -232,15 +237,15 @@ GENERATED = 512  # tokens one drawn request may ask to generate (prompts x n x m
 
 
 def capped(body: dict) -> dict:
-    """A valid request's work bounded: the largest ones valid here (1,024 prompts of 16 tokens, n 64
-    of 255 tokens, a beam of 128 over 64 rounds) take about a minute on 2 vCPU, which finds no bug
-    and would pass for a hang. A beam request past XLLM_MAX_BEAM_ROUNDS keeps its rounds: it must be
+    """A valid request's work bounded: the largest ones valid (1,024 prompts of 16 tokens, n 64 of
+    the context's tokens, a beam of 128 over many rounds) take about a minute on 2 vCPU, which finds
+    no bug and would pass for a hang. A beam request past XLLM_MAX_BEAM_ROUNDS keeps its rounds: it must be
     refused at once, never reserve its cache."""
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
     n = body.get("n")
     work = prompts * (n if type(n) is int and 1 <= n <= MAX_N else 1)
-    default = TINY_CONTEXT if "messages" in body else 16  # max_tokens absent: all the context left, or 16
+    default = CONTEXT if "messages" in body else 16  # max_tokens absent: all the context left, or 16
     limit = max(1, GENERATED // work) if work * default > GENERATED else None
     rounds = body.get("max_tokens")
     if ("beam_width" in body or body.get("use_beam_search") is True) and not (type(rounds) is int and rounds > 64):
@@ -293,7 +298,7 @@ def encode(body) -> bytes:
 def fuzzed(tiny_model_dir):
     # The default batch size: a request of MAX_PROMPTS prompts runs in a few batches, not a hundred.
     server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny",
-                            "--concurrent-execute-stream-num", "2"])
+                            "--concurrent-execute-stream-num", "2", "--max-model-len", str(CONTEXT)])
     yield server
     server.stop()
 
@@ -341,14 +346,42 @@ def check_answer(status: int, answer: bytes, stream: bool) -> None:
         assert isinstance(orjson.loads(answer)["choices"], list)
 
 
-def alongside_canary(server, canary, send) -> None:
-    """Runs send() and the canary at once (so they may share a batch); the server lives on."""
-    with ThreadPoolExecutor(2) as pool:
-        sent = pool.submit(send)
-        checked = pool.submit(canary)
-        sent.result()
-        checked.result()
-    assert server.proc.poll() is None, server.log()[-5000:]
+class CanaryBeside:
+    """The canary kept in flight beside a fuzzer's examples. It leaves with an example whenever the
+    last one has been answered (at once, so that the two may share a batch), and each answer is
+    checked. An example waits for it only where its request reached the model; the others, most
+    of them refused in a millisecond, go on beside the one in flight rather than each waiting
+    ~0.1 s for a canary of its own."""
+
+    def __init__(self, server, canary) -> None:
+        self.server = server
+        self.canary = canary  # sends one canary, asserts its answer
+        self.pool = ThreadPoolExecutor(1)
+        self.flying = None
+
+    def before(self) -> None:
+        """At an example's start: a canary in flight (a new one if the last was answered)."""
+        self.after(wait=False)
+        if self.flying is None:
+            self.flying = self.pool.submit(self.canary)
+
+    def after(self, wait: bool) -> None:
+        """At an example's end: the canary's answer checked (waited for if `wait`, else if it is in),
+        and the server alive."""
+        if self.flying is not None and (wait or self.flying.done()):
+            flying, self.flying = self.flying, None
+            flying.result()
+        assert self.server.proc.poll() is None, self.server.log()[-5000:]
+
+    def __enter__(self) -> CanaryBeside:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.after(wait=True)
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 def for_a_while(test, sent: list) -> None:
@@ -399,15 +432,14 @@ def test_any_body_gets_200_or_a_4xx_and_the_canary_its_answer(fuzzed, canary, pa
     def run(body):
         sent.append(1)
         payload = encode(body)
-
-        def send():
-            status, answer = exchange(fuzzed.port, "POST", path, payload)
-            check_answer(status, answer, body.get("stream") is True)
-
-        alongside_canary(fuzzed, canary, send)
+        beside.before()
+        status, answer = exchange(fuzzed.port, "POST", path, payload)
+        check_answer(status, answer, body.get("stream") is True)
+        beside.after(wait=status == 200)  # (a 200 reached the model: the canary beside it is checked now)
 
     sent = []
-    for_a_while(run, sent)
+    with CanaryBeside(fuzzed, canary) as beside:
+        for_a_while(run, sent)
 
 
 # --- the HTTP layer ---
@@ -553,12 +585,11 @@ def test_any_connection_gets_well_formed_answers_and_a_close(fuzzed, canary):
     def run(connection):
         sent.append(1)
         methods, writes = connection
-
-        def send():
-            statuses = parse_responses(send_connection(fuzzed.port, writes), methods)
-            assert all(s in (100, 200, 501, 505) or 400 <= s < 500 for s in statuses), statuses
-
-        alongside_canary(fuzzed, canary, send)
+        beside.before()
+        statuses = parse_responses(send_connection(fuzzed.port, writes), methods)
+        assert all(s in (100, 200, 501, 505) or 400 <= s < 500 for s in statuses), statuses
+        beside.after(wait=False)
 
     sent = []
-    for_a_while(run, sent)
+    with CanaryBeside(fuzzed, canary) as beside:
+        for_a_while(run, sent)

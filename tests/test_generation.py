@@ -76,7 +76,8 @@ def test_streaming_sends_the_first_token_before_the_last_is_computed(any_server)
     import orjson
 
     conn = http.client.HTTPConnection("127.0.0.1", any_server.port, timeout=60)
-    conn.request("POST", "/v1/completions", orjson.dumps({"prompt": prompt, "max_tokens": 200, "stream": True,
+    # (40 tokens: the hold, not the length, keeps the last token from being computed before the first is read)
+    conn.request("POST", "/v1/completions", orjson.dumps({"prompt": prompt, "max_tokens": 40, "stream": True,
                                                          "temperature": 0, "ignore_eos": True}))
     # No decode step runs until the first token is in: it cannot have waited for the last.
     with any_server.hold("decode"):
@@ -84,7 +85,7 @@ def test_streaming_sends_the_first_token_before_the_last_is_computed(any_server)
         while not (line := resp.readline()).startswith(b"data: {"):
             assert line, "the stream ended before its first token"
     count = 1 + sum(line.startswith(b"data: {") for line in resp)
-    assert count >= 100  # one event per token (a few may be merged if the client lags)
+    assert count >= 20  # one event per token (a few may be merged if the client lags)
 
 
 def test_usage_chunk_only_when_asked(server):

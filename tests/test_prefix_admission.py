@@ -22,7 +22,7 @@ from xllm_async.runtime.model_runner import ModelRunner
 from xllm_async.service import Service
 
 from .client import post
-from .conftest import ServerProcess
+from .conftest import start_together
 from .test_generation import random_prompts
 from .test_prefix_cache import fresh, make_runner, store_aside
 from .test_robustness import open_stream, reset
@@ -339,8 +339,8 @@ def item_servers(tiny_model_dir, tmp_path_factory):
 
     table = tmp_path_factory.mktemp("items") / "items.tsv"
     table.write_text("".join(f"sku-{i}\t{' '.join(map(str, key))}\n" for i, key in enumerate(ITEMS)))
-    started = [ServerProcess(["--model", tiny_model_dir, "--item-table", str(table)],
-                             env={"XLLM_PREFIX_CACHE": cache, "XLLM_KV_CACHE_BYTES": "64M"}) for cache in ("on", "off")]
+    started = start_together(*((["--model", tiny_model_dir, "--item-table", str(table)],
+                                {"XLLM_PREFIX_CACHE": cache, "XLLM_KV_CACHE_BYTES": "64M"}) for cache in ("on", "off")))
     yield started
     for server in started:
         server.stop()

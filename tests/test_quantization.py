@@ -233,7 +233,7 @@ def test_the_kernel_serves_within_activation_rounding(gguf_folder, q8_model_dir)
 @pytest.fixture(scope="module")
 def int8_servers(q8_model_dir):
     pool = ServerPool(["--model", q8_model_dir, "--quantization", "int8", "--max-seqs-per-batch", "8",
-                       "--dtype", "float32"])
+                       "--dtype", "float32"], together=("fixed_steps-N2", "continuous-N1"))
     yield pool
     pool.stop()
 
@@ -247,22 +247,28 @@ def q8_reference(q8_model_dir):
     return model
 
 
-@pytest.mark.parametrize("config", ["fixed_steps-N2", "continuous-N1"])
-def test_int8_served_greedy_tokens_equal_its_runner_s(int8_servers, q8_model_dir, config):
-    """The server answers what its runner computes (the same kernel in the same process: whether that
-    equals transformers on these weights, test_int8_answers_as_the_weights_it_rounds_to checks)."""
+@pytest.fixture(scope="module")
+def int8_greedy_texts(q8_model_dir) -> list[str]:
+    """The int8 runner's own greedy text of each of PROMPTS (8 tokens), computed once for both configurations."""
     from transformers import AutoTokenizer
 
     from xllm_async.runtime.model_runner import ModelRunner
 
     runner = ModelRunner(q8_model_dir, CPU, "float32", "int8")
     tokenizer = AutoTokenizer.from_pretrained(q8_model_dir)
+    return [tokenizer.decode(_greedy(runner, prompt, 8), skip_special_tokens=True) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("config", ["fixed_steps-N2", "continuous-N1"])
+def test_int8_served_greedy_tokens_equal_its_runner_s(int8_servers, int8_greedy_texts, config):
+    """The server answers what its runner computes (the same kernel in the same process: whether that
+    equals transformers on these weights, test_int8_answers_as_the_weights_it_rounds_to checks)."""
     server = int8_servers(config)
-    for prompt in PROMPTS:
+    for prompt, expected in zip(PROMPTS, int8_greedy_texts):
         status, body, _ = post(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
                                                                 "ignore_eos": True})
         assert status == 200, body
-        assert body["choices"][0]["text"] == tokenizer.decode(_greedy(runner, prompt, 8), skip_special_tokens=True)
+        assert body["choices"][0]["text"] == expected
     status, raw, _ = get(server.port, "/server_info")
     assert status == 200 and b'"quantization":"int8"' in raw and b'"q8_0"' in raw
 

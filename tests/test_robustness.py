@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from .client import get, post, raw_exchange, split_responses
-from .conftest import ServerProcess
+from .conftest import ServerProcess, start_together
 from .hold import wait_until
 from .test_observability import sample_value, scrape
 
@@ -364,8 +364,25 @@ def admitted(server, count: int) -> None:
                + metric(server, "xllm:num_requests_waiting") == count, what=f"{count} requests admitted")
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
-    server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "60"])
+# Each drain test's own server (its drain ends it), the four started together (start_together).
+DRAIN_SERVERS = {
+    "in flight": ["--drain-timeout", "60"],
+    "late request": ["--drain-timeout", "60", "--concurrent-execute-stream-num", "2"],
+    "fresh connection": ["--drain-timeout", "60"],
+    "drain time over": ["--drain-timeout", "0.2", "--concurrent-execute-stream-num", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def drain_servers(tiny_model_dir):
+    started = start_together(*((["--model", tiny_model_dir, *args], None) for args in DRAIN_SERVERS.values()))
+    yield dict(zip(DRAIN_SERVERS, started))
+    for server in started:
+        server.stop()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(drain_servers):
+    server = drain_servers["in flight"]
     pool = ThreadPoolExecutor(3)
     balancer = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)  # a kept-alive prober
     balancer.connect()
@@ -389,12 +406,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
     server.stop()
 
 
-def test_a_request_that_reaches_a_draining_server_is_served_and_closes_its_connection(tiny_model_dir):
+def test_a_request_that_reaches_a_draining_server_is_served_and_closes_its_connection(drain_servers):
     # A balancer may send a request on a connection it opened just before the drain began (its
     # health check has not seen the 503 yet): it gets its answer, not an error, and the connection
     # closes after it.
-    server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "60",
-                            "--concurrent-execute-stream-num", "2"])
+    server = drain_servers["late request"]
     pool = ThreadPoolExecutor(2)
     late = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     late.request("GET", "/health")  # open before the drain, kept alive
@@ -424,12 +440,12 @@ def test_a_request_that_reaches_a_draining_server_is_served_and_closes_its_conne
     server.stop()
 
 
-def test_a_connection_accepted_just_before_the_drain_gets_its_first_request_answered(tiny_model_dir):
+def test_a_connection_accepted_just_before_the_drain_gets_its_first_request_answered(drain_servers):
     # A balancer opens a connection to send a request. If SIGTERM lands between the accept and the
     # request, the drain must wait for that request (FIRST_REQUEST_GRACE, 2 s; here it comes at
     # once) rather than close the connection under it: HAProxy would answer its client by closing
     # a kept-alive connection without a response.
-    server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "60"])
+    server = drain_servers["fresh connection"]
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     try:
         wait_until(lambda: metric(server, "xllm:http_connections_open") >= 2, what="the connection accepted")
@@ -457,9 +473,8 @@ def _try_health(port: int):
         return None
 
 
-def test_requests_unfinished_after_the_drain_time_get_an_error(tiny_model_dir):
-    server = ServerProcess(["--model", tiny_model_dir, "--drain-timeout", "0.2",
-                            "--concurrent-execute-stream-num", "1"])
+def test_requests_unfinished_after_the_drain_time_get_an_error(drain_servers):
+    server = drain_servers["drain time over"]
     pool = ThreadPoolExecutor(4)
     with server.hold("prefill"):  # none can finish before the drain time is over
         futures = [pool.submit(post, server.port, "/v1/completions", HOLDER) for _ in range(4)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from .client import post
-from .conftest import ServerProcess
+from .conftest import start_together
 from .test_beam_search import ITEMS, beam_request
 from .test_generation import random_prompts
 
@@ -20,19 +20,28 @@ NAMES = {key: f"sku-{i}" for i, key in enumerate(ITEMS)}
 KEYS = {name: key for key, name in NAMES.items()}
 
 
-@pytest.fixture(scope="module", params=["plain", "prefix-cache"])
-def score_server(request, tiny_model_dir, tmp_path_factory):
+SCORE_ENVS = {"plain": {}, "prefix-cache": {"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"}}
+
+
+@pytest.fixture(scope="module")
+def score_servers(tiny_model_dir, tmp_path_factory):
     """One slot (so that requests queued behind a held forward share the next batch), 8 sequences and
     200 prompt tokens a batch (so that a long query's many candidates are split), the item table
-    loaded; with and without the prefix cache."""
+    loaded; with and without the prefix cache, both started together (start_together)."""
     table = tmp_path_factory.mktemp("items") / "items.tsv"
     table.write_text("".join(f"{name}\t{' '.join(map(str, key))}\n" for key, name in NAMES.items()))
-    env = {"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"} if request.param == "prefix-cache" else {}
-    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny", "--item-table", str(table),
-                            "--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "1",
-                            "--max-seqs-per-batch", "8", "--max-tokens-per-batch", "200"], env=env)
-    yield server
-    server.stop()
+    args = ["--model", tiny_model_dir, "--served-model-name", "tiny", "--item-table", str(table),
+            "--scheduler", "fixed_steps", "--concurrent-execute-stream-num", "1",
+            "--max-seqs-per-batch", "8", "--max-tokens-per-batch", "200"]
+    started = start_together(*((args, env) for env in SCORE_ENVS.values()))
+    yield dict(zip(SCORE_ENVS, started))
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module", params=list(SCORE_ENVS))
+def score_server(request, score_servers):
+    return score_servers[request.param]
 
 
 def log_softmax(reference, sequence: list[int]) -> torch.Tensor:
