@@ -133,7 +133,9 @@ class CausalLM(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.shape = shape
-        self.embed = nn.Embedding(shape.vocab, shape.hidden)
+        # Its weight given, not drawn: a random init on the meta device imports torch._dynamo (~1.7 s
+        # of every start-up), and the checkpoint fills it anyway.
+        self.embed = nn.Embedding(shape.vocab, shape.hidden, _weight=torch.empty(shape.vocab, shape.hidden))
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.layers))
         self.norm = RMSNorm(shape.hidden, shape.eps)
         self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, shape.rope_theta, shape.rope_scaling)
