@@ -295,9 +295,17 @@ def test_a_half_closed_client_gets_the_whole_answer(server, stream):
         while chunk := sock.recv(65536):
             raw += chunk
     # Until its answer began, the server probed with interim answers (is the client still there?).
-    probes = raw.count(b"HTTP/1.1 100 Continue\r\n\r\n")
-    assert probes >= 1 and raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\n" * probes)
-    first, _, health = raw[probes * len(b"HTTP/1.1 100 Continue\r\n\r\n"):].rpartition(b"HTTP/1.1 200 OK\r\n")
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    probes = 0
+    while raw.startswith(interim, probes * len(interim)):
+        probes += 1
+    assert probes >= 1
+    first, _, health = raw[probes * len(interim):].rpartition(b"HTTP/1.1 200 OK\r\n")
+    # The pipelined request is probed too if a sweep comes while it waits for its turn (a slow host):
+    # interim answers between the two final ones, never inside one.
+    while first.endswith(interim):
+        first = first[:-len(interim)]
+    assert interim not in first
     assert first.startswith(b"HTTP/1.1 200") and health  # both answered, then the server closed
     if stream:
         # Every token was generated (a token whose text is held back sends no event of its own).
