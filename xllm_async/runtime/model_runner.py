@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..execution.runner import BeamPrefilled, Prefilled, Runner
+from ..model.candidate_prefill import CandidatePrefill
 from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
 from ..model.forward_context import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
@@ -45,6 +46,7 @@ class ModelRunner(Runner):
     hidden_is_logits = False  # the beam calls return final hidden states; logits() is the LM head
     packed = True  # prompts cost their own tokens, not the longest one's
     shares_beam_prompts = True  # a beam search keeps its prompt's cache once (BeamState)
+    packs_candidates = True  # score_prefill: a ranking request's candidates in its prompt's forward
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto", quantization: str = "none") -> None:
         started = time.monotonic()
@@ -213,11 +215,12 @@ class ModelRunner(Runner):
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
                       between_layers: Callable[[], None] | None, held: list | None,
+                      candidates: list[list[list[int]]] | None = None,
                       ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
         prompt's tokens served from the prefix cache (None without one). With a prefix cache, each
         prompt's cached prefix (held[i], else matched now) goes into its row first and only the rest
-        is computed."""
+        is computed. candidates: fed after the prompts in the same forward (score_prefill)."""
         store = self.prefix_store if cache is not None else None
         hits = store.claim(prompts, cache.slabs, first, whole, held) if store is not None else []
         try:
@@ -226,6 +229,10 @@ class ModelRunner(Runner):
                                 cache, first, whole, skips)
             rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
             tokens = list(itertools.chain.from_iterable(rest))
+            if candidates is not None:
+                ctx = CandidatePrefill(ctx, [len(p) for p in prompts], [[len(c) for c in cs] for cs in candidates],
+                                       self.device)
+                tokens += [t for cs in candidates for c in cs for t in c]
             hidden = self._forward(tokens, ctx, between_layers)
             if store is not None:  # (a prefill that failed keeps nothing)
                 store.keep_all(prompts, hits, cache.slabs, first)
@@ -275,6 +282,20 @@ class ModelRunner(Runner):
         hidden = self._forward(tokens, ctx, between_layers)
         state.step += 1
         return hidden
+
+    def score_prefill(self, prompts: list[list[int]], candidates: list[list[list[int]]],
+                      between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
+        """Each prompt once and every candidate's tokens after it in one forward (CandidatePrefill):
+        final hidden states of each prompt's last token, then of every candidate token in order.
+        candidates[i]: request i's candidates' fed tokens (each list non-empty)."""
+        lengths = [len(p) for p in prompts]
+        cache = None
+        if any(candidates) or self._slab_for_prefixes(lengths):
+            cache = SlabCache(self._arena(), len(prompts), max(lengths))
+            cache.add_rows(lengths, max(lengths))
+        hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, hits,
+                                               candidates if any(candidates) else None)
+        return BeamPrefilled(hidden, None, cached)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
