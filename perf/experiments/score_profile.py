@@ -23,6 +23,7 @@ import time
 import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import servers
 import torch
+from cli import positive_ints
 
 import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
 from xllm_async.engine.score_request import ScoreRequest
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--size", default="medium")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--history", type=int, default=1000)
-    parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--candidates", type=positive_ints, default=[100], help="candidates a request, e.g. 100,1000")
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--table", type=int, default=100000, help="items in the random table")
     parser.add_argument("--reps", type=int, default=5)
@@ -60,37 +61,38 @@ def main() -> None:
     def history() -> list[int]:
         return [rng.randrange(200, 150000) for _ in range(args.history)]
 
-    def workload(kind: str) -> list[ScoreRequest]:
+    def workload(kind: str, count: int) -> list[ScoreRequest]:
         if kind == "tokens":
-            cands = [[rng.randrange(200, 150000) for _ in range(args.tokens)] for _ in range(args.candidates)]
+            cands = [[rng.randrange(200, 150000) for _ in range(args.tokens)] for _ in range(count)]
             return [ScoreRequest(0, history(), cands, None)]
-        return [ScoreRequest(0, history(), [list(k) for k in rng.sample(keys, args.candidates)], None, trie=trie)]
+        return [ScoreRequest(0, history(), [list(k) for k in rng.sample(keys, count)], None, trie=trie)]
 
     with torch.inference_mode():
         for kind in ("tokens", "items"):  # warm-up
-            run_score(runner, workload(kind))
+            run_score(runner, workload(kind, args.candidates[0]))
             runner.prefill([history()])
-        for kind in ("tokens", "items"):
-            ratios = []
-            for _ in range(args.reps):
-                h = history()
-                started = time.perf_counter()
-                runner.prefill([h])
-                prefill = time.perf_counter() - started
-                requests = workload(kind)
-                started = time.perf_counter()
-                run_score(runner, requests)
-                ratios.append((time.perf_counter() - started) / prefill)
-            print(f"{kind}: {args.candidates} x {args.tokens} on {args.history}: score / prefill "
-                  f"median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})",
-                  flush=True)
-            if args.profile == kind:
-                profile = cProfile.Profile()
-                requests = workload(kind)
-                profile.enable()
-                run_score(runner, requests)
-                profile.disable()
-                pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        for count in args.candidates:
+            for kind in ("tokens", "items"):
+                ratios = []
+                for _ in range(args.reps):
+                    h = history()
+                    started = time.perf_counter()
+                    runner.prefill([h])
+                    prefill = time.perf_counter() - started
+                    requests = workload(kind, count)
+                    started = time.perf_counter()
+                    run_score(runner, requests)
+                    ratios.append((time.perf_counter() - started) / prefill)
+                print(f"{count} {kind} of {args.tokens} on {args.history}: score / prefill "
+                      f"median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})",
+                      flush=True)
+                if args.profile == kind:
+                    profile = cProfile.Profile()
+                    requests = workload(kind, count)
+                    profile.enable()
+                    run_score(runner, requests)
+                    profile.disable()
+                    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -113,11 +113,12 @@ class Runner(Protocol):
         """One token per live beam, each continuing the row `parents[i]` of the last round: a row per
         beam for logits() (as BeamPrefilled.hidden)."""
 
-    def score_prefill(self, prompts: list[list[int]], candidates: list[list[list[int]]],
+    def score_prefill(self, prompts: list[list[int]], candidates: list[tuple[list[int], list[int]]],
                       between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
-        """Where packs_candidates: each prompt once and its candidates' given tokens (candidates[i],
-        each non-empty) after it, in one forward, each candidate seeing its prompt and its own
-        earlier tokens only; rows for logits(): each prompt's last, then every candidate token's."""
+        """Where packs_candidates: each prompt once and its candidates' given tokens after it, in one
+        forward. candidates[i]: request i's rows as a tree (tokens, parents), parents[r] the row that
+        row r continues (-1: the prompt), each row seeing its prompt, its ancestors and itself only;
+        rows for logits(): each prompt's last, then every candidate row's."""
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:

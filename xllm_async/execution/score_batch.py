@@ -25,6 +25,7 @@ import torch
 from ..engine.request import Delta
 from ..engine.score_request import ScoreRequest
 from .beam import LOGITS_BLOCK_COLUMNS, SharedPromptBatch
+from .candidate_plan import CandidatePlan
 
 # Rows whose log-probabilities over the whole vocabulary are taken at once (ScoreBatch._logprobs:
 # their logits held a block of LOGITS_BLOCK_COLUMNS at a time, 1,024 x 16,384 bfloat16 is 32 MB).
@@ -104,24 +105,20 @@ class ScoreBatch(SharedPromptBatch):
         return self._finish_done()
 
     def _prefill_packed(self) -> list:
-        """Every request's prompt and all its candidates' fed tokens in one forward (the runner's
-        score_prefill): its rows are each prompt's last, then each candidate's fed tokens in order;
-        the reads are taken depth by depth (a trie's nodes follow the depths), the whole-vocabulary
-        ones all at once (the LM head's weight read once for them all)."""
-        fed = [[c[:r.fed(c)] for c in r.candidates if r.fed(c)] for r in self.requests]
-        hidden, recorded = self._prefill_prompts([], 0, _Group, fed)
-        depths: list[list[_Read]] = [[] for _ in range(max(r.feeds for r in self.requests) + 1)]
-        row = len(self.groups)
-        for i, g in enumerate(self.groups):
-            depths[0].append(_Read(i, g, list(range(len(g.fed))), 0))
-            for j, count in enumerate(g.fed):
-                for depth in range(1, count + 1):
-                    depths[depth].append(_Read(row + depth - 1, g, [j], depth))
-                row += count
-            g.rounds = g.request.feeds
+        """Every request's prompt and its candidates' rows in one forward (the runner's
+        score_prefill, the rows planned by CandidatePlan): its hidden rows are each prompt's last,
+        then each request's candidate rows. The whole-vocabulary reads of all requests are taken
+        at once (the LM head's weight read once for them all)."""
+        plans = [CandidatePlan(r) for r in self.requests]
+        hidden, recorded = self._prefill_prompts([], 0, _Group, [(p.tokens, p.parents) for p in plans])
+        first = len(plans)
         whole: list[_Read] = []
-        for reads in depths:
-            whole += self._score(hidden, reads)
+        for i, (g, plan) in enumerate(zip(self.groups, plans)):
+            if plan.walk is not None:
+                plan.walk.score(self.runner, hidden, plan.paths, i, first, g.scores)
+            whole += [_Read(i if row < 0 else first + row, g, js, depth) for depth, row, js in plan.reads]
+            first += len(plan.tokens)
+            g.rounds = g.request.feeds
         self._vocab_scores(hidden, whole)
         recorded()
         return self._finish_done()

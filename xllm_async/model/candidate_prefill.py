@@ -1,15 +1,15 @@
 """A ranking request's whole forward in one (execution/score_batch.py): the prompts packed, and
-after them every candidate's tokens, each candidate attending to its prompt and causally to its
-own earlier tokens, never to another candidate. The candidates' tokens are given (teacher
-forcing), so all of them go through the layers at once rather than a round per token.
+after them its candidates' tokens, each attending to its prompt and to its own earlier tokens,
+never to another candidate's. The tokens are given (teacher forcing), so all of them go through
+the layers at once rather than a round per token; candidates that share a prefix share its rows
+(the same tokens after the same prompt have the same keys and states), so the rows are a tree.
 
-Attention of the candidate rows is staged as a beam round's (BeamDecode): stage 2, each candidate
-against its own tokens (a small causal product, float32, candidates of one length at once);
-stage 1, all candidate rows of a prompt against its keys in one product (the backend's
-beam_prompt: our prefix kernel on CPU), merged with stage 2 by log-sum-exp. No mask of
-(prompt + candidates)^2 is ever made, and the prompt's keys are read from its cache row, where
-the prompt's part of the forward (PackedPrefill, the prefix cache's tokens included) stored them
-the same layer.
+Attention of the candidate rows is staged as a beam round's (BeamDecode): stage 2, each row
+against its ancestors and itself (a few keys, float32, the rows of one depth at once); stage 1,
+all candidate rows of a prompt against its keys in one product (the backend's beam_prompt: our
+prefix kernel on CPU), merged with stage 2 by log-sum-exp. No mask of (prompt + candidates)^2 is
+ever made, and the prompt's keys are read from its cache row, where the prompt's part of the
+forward (PackedPrefill, the prefix cache's tokens included) stored them the same layer.
 """
 
 from __future__ import annotations
@@ -20,38 +20,31 @@ from .attention_backends import plain_attention
 from .forward_context import PackedPrefill
 
 
-class _Run:
-    """Candidates of one fed length: their rows (None: all candidate rows, in order) and the causal
-    mask of their queries, as stage 2 lays them out (token-major, the heads of a key head within)."""
+class _Level:
+    """The candidate rows at one depth (their index among the candidate rows) and each one's
+    ancestors, itself last ([rows, depth + 1]): the keys its stage 2 reads."""
 
-    __slots__ = ("length", "count", "rows", "masks")
+    __slots__ = ("rows", "ancestors", "whole")
 
-    def __init__(self, length: int, rows: list[int], whole: bool, device: torch.device) -> None:
-        self.length = length
-        self.count = len(rows) // length
-        self.rows = None if whole else torch.tensor(rows, device=device)
-        self.masks: dict[int, torch.Tensor] = {}  # by query heads a key head
-
-    def mask(self, group: int, device: torch.device) -> torch.Tensor:
-        mask = self.masks.get(group)
-        if mask is None:
-            token = torch.arange(self.length * group, device=device) // group
-            mask = self.masks[group] = torch.arange(self.length, device=device)[None, :] <= token[:, None]
-        return mask
+    def __init__(self, rows: list[int], ancestors: list[list[int]], device: torch.device) -> None:
+        self.whole = rows == list(range(rows[0], rows[0] + len(rows)))  # a slice of the rows
+        self.rows = slice(rows[0], rows[0] + len(rows)) if self.whole else torch.tensor(rows, device=device)
+        self.ancestors = torch.tensor(ancestors, device=device)
 
 
 class CandidatePrefill:
     """prompts: the prompts' PackedPrefill (it must keep their keys: a cache, prompt i in its row
     first_row + i); prompt_lengths: each prompt's whole length (its cached prefix included);
-    fed[i]: the number of tokens of each of request i's candidates that are fed (each > 0), their
-    rows after all the prompts' rows, request by request, candidate by candidate.
+    trees[i]: request i's candidate rows as (tokens, parents), parents[r] the row r continues
+    (-1: the prompt; a parent before its children): candidates that share a prefix share its rows.
+    Their rows come after all the prompts' rows, request by request.
 
     The forward keeps (for logits) each prompt's last row, then every candidate row, in order."""
 
-    __slots__ = ("prompts", "backend", "prompt_lengths", "prompt_rows", "spans", "runs", "positions", "last", "scoring",
-                 "last_only", "last_kept")
+    __slots__ = ("prompts", "backend", "prompt_lengths", "prompt_rows", "spans", "levels", "positions", "last",
+                 "scoring", "last_only", "last_kept")
 
-    def __init__(self, prompts: PackedPrefill, prompt_lengths: list[int], fed: list[list[int]],
+    def __init__(self, prompts: PackedPrefill, prompt_lengths: list[int], trees: list[tuple[list[int], list[int]]],
                  device: torch.device) -> None:
         if prompts.cache is None:
             raise ValueError("candidates read their prompt's keys from its cache row: the prompts need one")
@@ -60,19 +53,21 @@ class CandidatePrefill:
         self.prompt_lengths = prompt_lengths
         self.prompt_rows = sum(prompts.lengths)
         self.spans: list[tuple[int, int]] = []  # each request's candidate rows [first, end), among the candidates'
-        positions, by_length = [], {}
-        row = 0
-        for length, counts in zip(prompt_lengths, fed):
-            first = row
-            for count in counts:
-                by_length.setdefault(count, []).extend(range(row, row + count))
-                positions.extend(range(length, length + count))
-                row += count
-            self.spans.append((first, row))
-        self.runs = [_Run(n, rows, len(by_length) == 1, device) for n, rows in sorted(by_length.items())]
+        positions: list[int] = []
+        chains: list[list[int]] = []  # each candidate row's ancestors, itself last
+        for length, (tokens, parents) in zip(prompt_lengths, trees):
+            first = len(chains)
+            for row, parent in enumerate(parents):
+                chains.append((chains[first + parent] if parent >= 0 else []) + [first + row])
+                positions.append(length + len(chains[-1]) - 1)
+            self.spans.append((first, len(chains)))
+        by_depth: dict[int, list[int]] = {}
+        for row, chain in enumerate(chains):
+            by_depth.setdefault(len(chain), []).append(row)
+        self.levels = [_Level(rows, [chains[r] for r in rows], device) for _, rows in sorted(by_depth.items())]
         self.positions = torch.cat([prompts.positions, torch.tensor(positions, dtype=torch.long, device=device)])
         ends = torch.tensor(prompts.lengths).cumsum(0) - 1
-        self.last = torch.cat([ends, self.prompt_rows + torch.arange(row)]).to(device)
+        self.last = torch.cat([ends, self.prompt_rows + torch.arange(len(chains))]).to(device)
         self.scoring = True  # attention for every row; the model keeps `last`'s
         self.last_only = False
         self.last_kept = None
@@ -84,8 +79,7 @@ class CandidatePrefill:
         rows, heads, dim = qc.shape
         if not rows:
             return prompt_out
-        kv_heads = kc.shape[1]
-        group = heads // kv_heads
+        group = heads // kc.shape[1]
         own_out, own_lse = self._own(qc, kc, vc, scale, group)
         keys, values = self.prompts.cache.keys(layer), self.prompts.cache.values(layer)
         outs = [prompt_out]
@@ -100,25 +94,18 @@ class CandidatePrefill:
 
     def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
              group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 2: each candidate row against its candidate's tokens up to itself -> [rows, kv_heads,
-        group, dim] in q's dtype and their log-sum-exps [rows, kv_heads, group, 1] (float32)."""
+        """Stage 2: each candidate row against its ancestors' keys and its own, a depth at a time (in
+        float32, as a beam round's) -> [rows, kv_heads, group, dim] in q's dtype and the log-sum-exps
+        [rows, kv_heads, group, 1] (float32)."""
         rows, heads, dim = q.shape
         kv_heads = k.shape[1]
-        out = lse = None
-        if len(self.runs) > 1:
-            out = torch.empty(rows, kv_heads, group, dim, dtype=q.dtype, device=q.device)
-            lse = torch.empty(rows, kv_heads, group, 1, dtype=torch.float32, device=q.device)
-        for run in self.runs:
-            n, count = run.length, run.count
-            qr, kr, vr = (q, k, v) if run.rows is None else (q[run.rows], k[run.rows], v[run.rows])
-            qr = qr.view(count, n, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(count, kv_heads, n * group, dim)
-            kr = kr.view(count, n, kv_heads, dim).transpose(1, 2)
-            vr = vr.view(count, n, kv_heads, dim).transpose(1, 2)
-            o, s = plain_attention(qr.float(), kr.float(), vr.float(), scale, run.mask(group, q.device))
-            o = o.view(count, kv_heads, n, group, dim).transpose(1, 2).reshape(count * n, kv_heads, group, dim)
-            s = s.view(count, kv_heads, n, group, 1).transpose(1, 2).reshape(count * n, kv_heads, group, 1)
-            if out is None:
-                return o.to(q.dtype), s
-            out[run.rows] = o.to(q.dtype)
-            lse[run.rows] = s
+        out = torch.empty(rows, kv_heads, group, dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(rows, kv_heads, group, 1, dtype=torch.float32, device=q.device)
+        for level in self.levels:
+            ql = q[level.rows]
+            o, s = plain_attention(ql.view(ql.shape[0], kv_heads, group, dim).float(),
+                                   k[level.ancestors].transpose(1, 2).float(),
+                                   v[level.ancestors].transpose(1, 2).float(), scale)
+            out[level.rows] = o.to(q.dtype)
+            lse[level.rows] = s
         return out, lse

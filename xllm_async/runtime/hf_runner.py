@@ -204,8 +204,8 @@ class TransformersRunner(Runner):
 
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 
-    def score_prefill(self, prompts: list[list[int]], candidates: list[list[list[int]]], between_layers=None,
-                      hits=None) -> BeamPrefilled:
+    def score_prefill(self, prompts: list[list[int]], candidates: list[tuple[list[int], list[int]]],
+                      between_layers=None, hits=None) -> BeamPrefilled:
         raise NotImplementedError("transformers' forward takes no staged attention: candidates go in rounds")
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None,

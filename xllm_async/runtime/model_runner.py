@@ -215,7 +215,7 @@ class ModelRunner(Runner):
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
                       between_layers: Callable[[], None] | None, held: list | None,
-                      candidates: list[list[list[int]]] | None = None,
+                      candidates: list[tuple[list[int], list[int]]] | None = None,
                       ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
         prompt's tokens served from the prefix cache (None without one). With a prefix cache, each
@@ -230,9 +230,8 @@ class ModelRunner(Runner):
             rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
             tokens = list(itertools.chain.from_iterable(rest))
             if candidates is not None:
-                ctx = CandidatePrefill(ctx, [len(p) for p in prompts], [[len(c) for c in cs] for cs in candidates],
-                                       self.device)
-                tokens += [t for cs in candidates for c in cs for t in c]
+                ctx = CandidatePrefill(ctx, [len(p) for p in prompts], candidates, self.device)
+                tokens += [t for fed, _ in candidates for t in fed]
             hidden = self._forward(tokens, ctx, between_layers)
             if store is not None:  # (a prefill that failed keeps nothing)
                 store.keep_all(prompts, hits, cache.slabs, first)
@@ -283,18 +282,19 @@ class ModelRunner(Runner):
         state.step += 1
         return hidden
 
-    def score_prefill(self, prompts: list[list[int]], candidates: list[list[list[int]]],
+    def score_prefill(self, prompts: list[list[int]], candidates: list[tuple[list[int], list[int]]],
                       between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
-        """Each prompt once and every candidate's tokens after it in one forward (CandidatePrefill):
-        final hidden states of each prompt's last token, then of every candidate token in order.
-        candidates[i]: request i's candidates' fed tokens (each list non-empty)."""
+        """Each prompt once and its candidates' rows after it in one forward (CandidatePrefill):
+        final hidden states of each prompt's last token, then of every candidate row in order.
+        candidates[i]: request i's rows as (tokens, parents), parents[r] the row r continues (-1: the prompt)."""
         lengths = [len(p) for p in prompts]
+        fed = any(tokens for tokens, _ in candidates)
         cache = None
-        if any(candidates) or self._slab_for_prefixes(lengths):
+        if fed or self._slab_for_prefixes(lengths):
             cache = SlabCache(self._arena(), len(prompts), max(lengths))
             cache.add_rows(lengths, max(lengths))
         hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, hits,
-                                               candidates if any(candidates) else None)
+                                               candidates if fed else None)
         return BeamPrefilled(hidden, None, cached)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
