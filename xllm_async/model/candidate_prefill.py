@@ -98,14 +98,17 @@ class CandidatePrefill:
         float32, as a beam round's) -> [rows, kv_heads, group, dim] in q's dtype and the log-sum-exps
         [rows, kv_heads, group, 1] (float32)."""
         rows, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        out = torch.empty(rows, kv_heads, group, dim, dtype=q.dtype, device=q.device)
+        kv_heads, dtype = k.shape[1], q.dtype
+        q, k, v = q.float().view(rows, kv_heads, group, dim), k.float(), v.float()  # (once for every depth)
+        if len(self.levels) == 1:
+            level = self.levels[0]
+            out, lse = plain_attention(q, k[level.ancestors].transpose(1, 2), v[level.ancestors].transpose(1, 2), scale)
+            return out.to(dtype), lse
+        out = torch.empty(rows, kv_heads, group, dim, dtype=dtype, device=q.device)
         lse = torch.empty(rows, kv_heads, group, 1, dtype=torch.float32, device=q.device)
         for level in self.levels:
-            ql = q[level.rows]
-            o, s = plain_attention(ql.view(ql.shape[0], kv_heads, group, dim).float(),
-                                   k[level.ancestors].transpose(1, 2).float(),
-                                   v[level.ancestors].transpose(1, 2).float(), scale)
-            out[level.rows] = o.to(q.dtype)
+            o, s = plain_attention(q[level.rows], k[level.ancestors].transpose(1, 2),
+                                   v[level.ancestors].transpose(1, 2), scale)
+            out[level.rows] = o.to(dtype)
             lse[level.rows] = s
         return out, lse
