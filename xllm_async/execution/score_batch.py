@@ -1,11 +1,13 @@
-"""Ranking: candidates scored against one copy of their history, on the beam search's machinery.
+"""Ranking: candidates scored against one copy of their history.
 
-A score request (engine/score_request.py) is a prompt and the candidates that continue it. The
-prompt is prefilled once (Runner.beam_prefill: its keys and values stored once, the prefix cache
-serving it where on); then each round feeds every candidate that has one its next token as a
-beam whose parent is fixed (Runner.beam_decode): the candidates attend to the one copy of the
-prompt plus their own tokens (staged attention, model/attention.py's BeamDecode), never to each
-other. The final hidden state of every row a score needs goes through the LM head:
+A score request (engine/score_request.py) is a prompt and the candidates that continue it. On our
+runner (packs_candidates) the prompt and all its candidates' tokens are one forward
+(Runner.score_prefill, the rows planned by candidate_plan.py): the prompt's keys stored once (the
+prefix cache serving it where on), each candidate attending to that one copy plus its own earlier
+tokens (staged attention, model/candidate_prefill.py), never to another. On a runner that does not
+pack them the prompt is prefilled once (Runner.beam_prefill) and each round feeds every candidate
+that has one its next token as a beam whose parent is fixed (Runner.beam_decode, BeamDecode's
+staged attention). The final hidden state of every row a score needs goes through the LM head:
 - an item candidate (the request has the item table's trie): its token at depth d, normalised
   over the tokens the trie allows after its prefix, exactly as BeamSearchBatch._table_tops
   normalises (the same LM head columns, mask and float32 sums), so a beam's cumulative_logprob
