@@ -42,15 +42,12 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
     return out_a * (lse_a - lse).exp() + out_b * (lse_b - lse).exp()
 
 
-def plain_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def plain_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T) v and each query's log-sum-exp (float32), in plain operations: the products
     in the inputs' dtype (a caller that wants them in float32 hands float32 in), the softmax in
-    float32. mask [queries, keys] (bool): the keys each query sees (every query sees one at least).
-    The one attention written out in Python; every other is a kernel's."""
+    float32. The one attention written out in Python; every other is a kernel's."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).float()
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)
     weights = (scores - peak).exp_()
     total = weights.sum(dim=-1, keepdim=True)
