@@ -5,7 +5,7 @@ the layers at once rather than a round per token; candidates that share a prefix
 (the same tokens after the same prompt have the same keys and states), so the rows are a tree.
 
 Attention of the candidate rows is staged as a beam round's (BeamDecode): stage 2, each row
-against its ancestors and itself (a few keys, the rows of one depth at once); stage 1,
+against its ancestors and itself (a few keys, float32, the rows of one depth at once); stage 1,
 all candidate rows of a prompt against its keys in one product (the backend's beam_prompt: our
 prefix kernel on CPU), merged with stage 2 by log-sum-exp. No mask of (prompt + candidates)^2 is
 ever made, and the prompt's keys are read from its cache row, where the prompt's part of the
@@ -16,23 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_backends import plain_attention
 from .forward_context import PackedPrefill
-
-
-def _few_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [rows, kv_heads, group, dim] against each row's few keys/values [rows, kv_heads, keys, dim]
-    (float64) -> softmax(q k^T) v [rows, kv_heads, group, dim] and the log-sum-exps [.., 1]
-    (float32). As attention_backends.plain_attention computes it, but in elementwise products: a
-    row has a key or three, and a batched matmul of rows x kv_heads such tiny products pays for
-    each one. In float64, so that its sums, in another order than a matmul's, round less than a
-    beam round's float32 (a beam's cumulative_logprob and its item's score agree to 1e-5)."""
-    scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1).mul_(scale)
-    peak = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - peak).exp_()
-    total = weights.sum(dim=-1, keepdim=True)
-    out = (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2).div_(total)
-    return out.float(), (peak + total.log()).float()
 
 
 class _Level:
@@ -110,20 +95,20 @@ class CandidatePrefill:
     def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
              group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 2: each candidate row against its ancestors' keys and its own, a depth at a time (in
-        float64: _few_keys) -> [rows, kv_heads, group, dim] in q's dtype and the log-sum-exps
+        float32, as a beam round's) -> [rows, kv_heads, group, dim] in q's dtype and the log-sum-exps
         [rows, kv_heads, group, 1] (float32)."""
         rows, heads, dim = q.shape
         kv_heads, dtype = k.shape[1], q.dtype
-        q, k, v = q.double().view(rows, kv_heads, group, dim), k.double(), v.double()  # (once for every depth)
+        q, k, v = q.float().view(rows, kv_heads, group, dim), k.float(), v.float()  # (once for every depth)
         if len(self.levels) == 1:
             level = self.levels[0]
-            out, lse = _few_keys(q, k[level.ancestors].transpose(1, 2), v[level.ancestors].transpose(1, 2), scale)
+            out, lse = plain_attention(q, k[level.ancestors].transpose(1, 2), v[level.ancestors].transpose(1, 2), scale)
             return out.to(dtype), lse
         out = torch.empty(rows, kv_heads, group, dim, dtype=dtype, device=q.device)
         lse = torch.empty(rows, kv_heads, group, 1, dtype=torch.float32, device=q.device)
         for level in self.levels:
-            o, s = _few_keys(q[level.rows], k[level.ancestors].transpose(1, 2), v[level.ancestors].transpose(1, 2),
-                             scale)
+            o, s = plain_attention(q[level.rows], k[level.ancestors].transpose(1, 2),
+                                   v[level.ancestors].transpose(1, 2), scale)
             out[level.rows] = o.to(dtype)
             lse[level.rows] = s
         return out, lse
