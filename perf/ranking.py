@@ -3,6 +3,8 @@ their history, side by side with the same candidates sent as separate echo scori
 
     .venv/bin/python perf/ranking.py                          # tiny random Qwen3, 3 users, cache off and on
     .venv/bin/python perf/ranking.py --model perf/results/models/qwen3-medium --users 5 --candidates 100,1000
+    .venv/bin/python perf/ranking.py --model perf/results/models/qwen3-medium --candidate-tokens 4 \
+        --items 1520000 --candidates 100,1000 --echo-max 0 --caches off   # issue 47's workload
 
 For each prefix-cache setting ("off", "on") a fresh server (fixed_steps, N=1: one batch at a
 time, so that the figures are the requests' own), then per user a fresh random history of
@@ -105,6 +107,8 @@ def main() -> int:
             rng = random.Random(args.seed)
             warm_history, warm_candidates = user(rng, args.history, 4, args.candidate_tokens)
             post(server.port, "/v1/score", {"query": warm_history, "items": warm_candidates})  # unmeasured
+            if names:  # (and the first item request's shapes, so that no figure carries them)
+                post(server.port, "/v1/score", {"query": warm_history, "item_ids": rng.sample(names, 4)})
             for count in args.candidates:
                 prefill, score, echo, diffs, items = [], [], [], [], []
                 for _ in range(args.users):

@@ -85,16 +85,21 @@ class SharedPromptBatch(Batch):
     def __len__(self) -> int:
         return len(self.groups)
 
-    def _prefill_prompts(self, widths: list[int], rounds: int, group: Callable):
+    def _prefill_prompts(self, widths: list[int], rounds: int, group: Callable, candidates: list | None = None):
         """Each request's prompt once (found in the prefix cache where it can be); its group made by
         group(request, device). Returns the prompts' hidden states and a callable that records the
-        prefill in the metrics (called once the caller has handled the hidden states)."""
+        prefill in the metrics (called once the caller has handled the hidden states).
+        candidates: given tokens fed in the same forward (runner.score_prefill), none kept after it."""
         started = time.monotonic()
         for req in self.requests:
             req.started = started
         prompts = [r.prompt_ids for r in self.requests]
         with admitted_prefixes(self.runner, self.requests) as hits:
-            out = self.runner.beam_prefill(prompts, widths, rounds, between_layers=self.between_layers, hits=hits)
+            if candidates is not None:
+                out = self.runner.score_prefill(prompts, candidates, between_layers=self.between_layers, hits=hits)
+            else:
+                out = self.runner.beam_prefill(prompts, widths, rounds, between_layers=self.between_layers,
+                                               hits=hits)
         self.state, hidden = out.state, out.hidden
         if out.cached is not None:  # (each prompt's tokens found in the prefix cache)
             for req, tokens in zip(self.requests, out.cached):

@@ -67,6 +67,9 @@ class Runner(Protocol):
     # (ours); True, the logits already (float32, [rows, vocab]), which logits() only selects
     # columns of (transformers computes its own LM head inside its forward).
     hidden_is_logits: bool
+    # A ranking request's candidates go through the layers in its prompt's forward (score_prefill,
+    # ours); False: a round per candidate token (beam_decode, transformers).
+    packs_candidates: bool
 
     def match_prefix(self, prompt: list[int]) -> object:
         """Where caches_prefixes, at admission: the prompt's longest cached prefix, pinned (never evicted)
@@ -109,6 +112,13 @@ class Runner(Protocol):
                     between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One token per live beam, each continuing the row `parents[i]` of the last round: a row per
         beam for logits() (as BeamPrefilled.hidden)."""
+
+    def score_prefill(self, prompts: list[list[int]], candidates: list[tuple[list[int], list[int]]],
+                      between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
+        """Where packs_candidates: each prompt once and its candidates' given tokens after it, in one
+        forward. candidates[i]: request i's rows as a tree (tokens, parents), parents[r] the row that
+        row r continues (-1: the prompt), each row seeing its prompt, its ancestors and itself only;
+        rows for logits(): each prompt's last, then every candidate row's."""
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:

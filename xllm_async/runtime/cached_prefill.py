@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..model.candidate_prefill import CandidatePrefill
 from ..model.forward_context import PackedPrefill
 from ..model.kv_cache import SlabCache
 from ..model.prefix_cache import PrefixHit, shared_split
@@ -62,11 +63,13 @@ class CachedPrefill:
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
                       between_layers: Callable[[], None] | None, hits: list[PrefixHit],
+                      candidates: list[tuple[list[int], list[int]]] | None = None,
                       ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
         prompt's tokens served from the prefix cache (None without one). With a prefix cache (hits:
         _claim's), each prompt's cached prefix goes into its row first (where it has one) and only
-        the rest is computed; the forward writes their new full blocks into the store too."""
+        the rest is computed; the forward writes their new full blocks into the store too. candidates:
+        fed after the prompts in the same forward (ModelRunner.score_prefill; never stored)."""
         store = self.prefix_store
         skips = [0] * len(prompts)
         if cache is not None and any(hit.blocks for hit in hits):
@@ -79,6 +82,9 @@ class CachedPrefill:
                                 cache, first, whole, skips, stored)
             rest = [p[skip:] for p, skip in zip(prompts, skips)] if any(skips) else prompts
             tokens = list(itertools.chain.from_iterable(rest))
+            if candidates is not None:
+                ctx = CandidatePrefill(ctx, [len(p) for p in prompts], candidates, self.device)
+                tokens += [t for fed, _ in candidates for t in fed]
             hidden = self._forward(tokens, ctx, between_layers)
         except BaseException:
             if stored is not None:  # (a prefill that failed keeps nothing)

@@ -90,6 +90,7 @@ class TransformersRunner(Runner):
     hidden_is_logits = True
     packed = False  # left-padded: a batch costs rows x its longest prompt
     shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
+    packs_candidates = False  # ranking requests feed their candidates in rounds (beam_decode)
     kv_tokens = 0  # until set_kv_cache: no budget
     caches_prefixes = False  # no prefix cache: every prompt is computed whole
     prefix_store = None
@@ -202,6 +203,10 @@ class TransformersRunner(Runner):
         return out.logits[:, -1, :].float()
 
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
+
+    def score_prefill(self, prompts: list[list[int]], candidates: list[tuple[list[int], list[int]]],
+                      between_layers=None, hits=None) -> BeamPrefilled:
+        raise NotImplementedError("transformers' forward takes no staged attention: candidates go in rounds")
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int, between_layers=None,
                      hits=None) -> BeamPrefilled:

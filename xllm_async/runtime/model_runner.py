@@ -45,6 +45,7 @@ class ModelRunner(CachedPrefill, Runner):
     hidden_is_logits = False  # the beam calls return final hidden states; logits() is the LM head
     packed = True  # prompts cost their own tokens, not the longest one's
     shares_beam_prompts = True  # a beam search keeps its prompt's cache once (BeamState)
+    packs_candidates = True  # score_prefill: a ranking request's candidates in its prompt's forward
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str = "auto", quantization: str = "none") -> None:
         started = time.monotonic()
@@ -254,6 +255,25 @@ class ModelRunner(CachedPrefill, Runner):
         hidden = self._forward(tokens, ctx, between_layers)
         state.step += 1
         return hidden
+
+    def score_prefill(self, prompts: list[list[int]], candidates: list[tuple[list[int], list[int]]],
+                      between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:
+        """Each prompt once and its candidates' rows after it in one forward (CandidatePrefill):
+        final hidden states of each prompt's last token, then of every candidate row in order.
+        candidates[i]: request i's rows as (tokens, parents), parents[r] the row r continues (-1: the prompt)."""
+        lengths = [len(p) for p in prompts]
+        fed = any(tokens for tokens, _ in candidates)
+        claimed = self._claim(prompts, None, hits)
+        try:
+            cache = None
+            if fed or self._slab_for_prefixes(lengths, claimed):
+                cache = SlabCache(self._arena(), len(prompts), max(lengths))
+                cache.add_rows(lengths, max(lengths))
+            hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, claimed,
+                                                   candidates if fed else None)
+        finally:
+            self._release(claimed)
+        return BeamPrefilled(hidden, None, cached)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:
