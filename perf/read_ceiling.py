@@ -32,27 +32,13 @@ import time
 
 import decode_step
 import servers
-
 import torch  # noqa: E402  (after xllm_async, through decode_step: the OpenMP and malloc settings)
+from cli import cpu_model
 
 from xllm_async.runtime.device import StreamBinding, resolve_device
 from xllm_async.runtime.model_runner import load_runner
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's model name (the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 def thp_mode() -> str:
@@ -165,7 +151,7 @@ def measure(runner, args: argparse.Namespace) -> dict:
 def report(measured: dict, describe: str) -> list[str]:
     total = measured["bytes"]
     rss, huge = measured["rss"], measured["huge"]
-    lines = [f"CPU: {cpu_model()}; {os.cpu_count()} logical CPUs; our linear on {torch.ops.xllm.linear_isa()}; "
+    lines = [f"CPU: {cpu_model()}; our linear on {torch.ops.xllm.linear_isa()}; "
              f"transparent huge pages: {thp_mode()}",
              f"{describe}; {measured['tensors']} packed weights, {total / 1e6:.1f} MB; "
              f"{huge / 2**20:.0f} of their mappings' {rss / 2**20:.0f} MiB resident on huge pages",
