@@ -16,8 +16,9 @@ lone slot binds its own (torch's intra-op threads: `--threads`), rounds interlea
   each, as the step runs them; the Python loop's ~121 calls are in it);
 - step: the offline decode step at one row (perf/decode_step.py's, a 128-token prompt).
 
-Each is reported as GB/s of the weights' bytes, and the step's as a fraction of the stream's and of
-the better of the two reads. Also: the CPU model, our linear's instruction set, transparent huge
+Each is reported as GB/s of the weights' bytes (a round's median, and the best read or step of all
+rounds: on a shared machine the steadier figure), and the step's as a fraction of the stream's and
+of the better of the two reads. Also: the CPU model, our linear's instruction set, transparent huge
 pages' mode and how much of the weights' resident memory is on huge pages (/proc/self/smaps).
 """
 
