@@ -3,7 +3,8 @@ and in N fresh offline processes, so that what moves with the process can be tol
 the serving adds.
 
     python perf/restart_spread.py --model ~/.cache/xllm_async/SmolLM2-135M-Instruct --processes 5
-    python perf/restart_spread.py --model ... --variant huge= --variant 4k=XLLM_HUGE_PAGES=off
+    python perf/restart_spread.py --model ... --variant weights= --variant all=XLLM_HUGE_PAGES=all \
+      --variant off=XLLM_HUGE_PAGES=off
 
 Each round starts, for every variant (a name and environment variables for its processes; the
 default is one variant, "default", with this environment), one fresh server (`--server-args`) and

@@ -1,12 +1,20 @@
 """CPU weights are moved into one block on a huge-page boundary, unchanged, ties kept; so are the
-packed linears, in order (unless XLLM_HUGE_PAGES=off), and key/value arenas get such a block; freed heap
+packed linears, in order (unless XLLM_HUGE_PAGES=off), and key/value arenas with XLLM_HUGE_PAGES=all; freed heap
 pages are handed back while batches run and once the server has been idle for a whole look."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from xllm_async.runtime.host_memory import HUGE_PAGE, TrimSchedule, host_tensor, pack_linear_weights, pack_weights
+from xllm_async.runtime.host_memory import (
+    HUGE_PAGE,
+    TrimSchedule,
+    host_tensor,
+    huge_pages_wanted,
+    pack_linear_weights,
+    pack_weights,
+)
 
 
 class TiedModel(torch.nn.Module):
@@ -64,17 +72,21 @@ def test_packed_linears_move_into_one_huge_page_block_in_order_with_the_same_val
     assert first.is_contiguous() and first.dtype == torch.bfloat16 and second.shape == (5, 448)
 
 
-def test_with_huge_pages_off_packed_linears_stay_and_arenas_come_from_torch(monkeypatch):
-    monkeypatch.setenv("XLLM_HUGE_PAGES", "off")
+@pytest.mark.parametrize("choice", ["off", "weights"])
+def test_arenas_come_from_torch_unless_all_and_packed_linears_stay_with_off(monkeypatch, choice):
+    monkeypatch.setenv("XLLM_HUGE_PAGES", choice)
+    arena = host_tensor(1000, torch.bfloat16)
+    assert arena.shape == (1000,) and arena.dtype == torch.bfloat16
+    assert huge_pages_wanted("weights") == (choice == "weights") and not huge_pages_wanted("arena")
+    if choice == "weights":
+        return
     ours = torch.randn(2, 128)
     pack = Pack(ours)
     assert pack_linear_weights([pack]) is None and pack.ours is ours
-    arena = host_tensor(1000, torch.bfloat16)
-    assert arena.shape == (1000,) and arena.dtype == torch.bfloat16
 
 
 def test_an_arena_on_huge_pages_has_the_asked_size_and_takes_writes(monkeypatch):
-    monkeypatch.delenv("XLLM_HUGE_PAGES", raising=False)
+    monkeypatch.setenv("XLLM_HUGE_PAGES", "all")
     arena = host_tensor(3 * HUGE_PAGE // 2 + 1, torch.bfloat16)
     assert arena.shape == (3 * HUGE_PAGE // 2 + 1,) and arena.dtype == torch.bfloat16
     assert arena.data_ptr() % HUGE_PAGE == 0

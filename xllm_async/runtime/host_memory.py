@@ -13,8 +13,14 @@ laid out at load by our packer into the allocator's memory) and the slot's key/v
 transparent huge pages in "madvise" mode (the usual default) the allocator's large blocks get
 4 KiB pages, scattered over physical memory differently in every process: the caches (indexed by
 physical address) and the TLB then hold the 269 MB a SmolLM2 step streams differently from one
-fresh server to the next. pack_linear_weights and host_tensor put them on huge pages too, unless
-XLLM_HUGE_PAGES=off (for measuring what the huge pages do: perf/restart_spread.py).
+fresh server to the next. XLLM_HUGE_PAGES says which of them go on huge pages too:
+- "weights" (the default): the packed linears (pack_linear_weights), a fixed block read whole by
+  every step;
+- "all": the key/value arenas as well (host_tensor). Not the default: a batch's cache is a
+  rectangle of per-row slabs in its arena (model/kv_cache.py), each row touching the start of its
+  slab, and with 2 MiB pages the whole rectangle soon becomes resident where 4 KiB pages kept only
+  the touched tokens;
+- "off": neither (for measuring what the huge pages do: perf/restart_spread.py).
 """
 
 from __future__ import annotations
@@ -52,10 +58,17 @@ def one_intra_op_thread():
         torch.set_num_threads(threads)
 
 
-def huge_pages_wanted() -> bool:
-    """Whether the packed linears and the key/value arenas go on huge pages (XLLM_HUGE_PAGES, "on"
-    unless "off"); the plain weights' block (pack_weights) always is."""
-    return os.environ.get("XLLM_HUGE_PAGES", "on").strip().lower() != "off"
+HUGE_PAGE_CHOICES = ("weights", "all", "off")
+
+
+def huge_pages_wanted(what: str) -> bool:
+    """Whether `what` ("weights": the packed linears; "arena": the key/value arenas) goes on huge
+    pages, as XLLM_HUGE_PAGES says (module docstring; an unknown value counts as the default)."""
+    choice = os.environ.get("XLLM_HUGE_PAGES", "weights").strip().lower()
+    if choice not in HUGE_PAGE_CHOICES:
+        log.warning("XLLM_HUGE_PAGES=%s: expected one of %s; taking weights", choice, ", ".join(HUGE_PAGE_CHOICES))
+        choice = "weights"
+    return choice == "all" or (choice == "weights" and what == "weights")
 
 
 def huge_block(size: int, what: str) -> tuple[mmap.mmap, torch.Tensor] | None:
@@ -102,7 +115,7 @@ def pack_linear_weights(packs: list) -> mmap.mmap | None:
     XLLM_HUGE_PAGES=off, no room, or nothing in our layout). oneDNN's copies stay where they are:
     they serve prefills, which reuse each weight over many rows."""
     packs = [p for p in packs if getattr(p, "ours", None) is not None]
-    if not packs or not huge_pages_wanted():
+    if not packs or not huge_pages_wanted("weights"):
         return None
     block, copies = into_block([p.ours for p in packs], "packed linears stay on the allocator's pages")
     for pack, copy in zip(packs, copies):
@@ -114,10 +127,10 @@ def pack_linear_weights(packs: list) -> mmap.mmap | None:
 
 
 def host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-d tensor on huge pages (a key/value arena), or torch.empty's where
-    XLLM_HUGE_PAGES=off or there is no room."""
+    """An uninitialised 1-d tensor for a key/value arena: on huge pages with XLLM_HUGE_PAGES=all
+    (where there is room), else torch.empty's."""
     size = numel * torch.empty((), dtype=dtype).element_size()
-    made = huge_block(size, "key/value arena stays on the allocator's pages") if huge_pages_wanted() else None
+    made = huge_block(size, "key/value arena stays on the allocator's pages") if huge_pages_wanted("arena") else None
     return made[1].view(dtype) if made is not None else torch.empty(numel, dtype=dtype)
 
 
