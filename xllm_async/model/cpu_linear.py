@@ -116,6 +116,14 @@ def pack_linears(model: nn.Module, kind: str) -> int:
     return count
 
 
+def packed_weights(model: nn.Module) -> list[PackedWeight]:
+    """Every packed weight of the model in the order a step reads them: the layers' linears, then
+    the LM head's (host_memory.pack_linear_weights lays them out one after another)."""
+    packs = [m.packed for m in model.modules() if _packable(m) and m.packed is not None]
+    head = getattr(model, "packed_lm_head", None)
+    return packs + ([head] if head is not None else [])
+
+
 # Start-up compiles oneDNN's kernels from this many rows up (warm_onednn): larger batches are rarer,
 # so their row counts were met one by one through a soak, each compiling a kernel that stays.
 WARM_FROM = 512

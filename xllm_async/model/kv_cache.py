@@ -10,6 +10,7 @@ live row (one row copied), so the live rows are always the first `rows`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -38,12 +39,16 @@ class KvArena:
     """The cache memory of one execution slot: `tokens` token slots, allocated on
     first use by that slot's thread and reused by every batch it runs."""
 
-    __slots__ = ("layout", "tokens", "device", "_buffer")
+    __slots__ = ("layout", "tokens", "device", "allocate", "_buffer")
 
-    def __init__(self, layout: KvLayout, tokens: int, device: torch.device) -> None:
+    def __init__(self, layout: KvLayout, tokens: int, device: torch.device,
+                 allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> None:
         self.layout = layout
         self.tokens = tokens
         self.device = device
+        # allocate(elements, dtype): the 1-d buffer (on CPU, huge pages: runtime/host_memory.host_tensor);
+        # None: torch.empty on the device
+        self.allocate = allocate
         self._buffer: torch.Tensor | None = None
 
     def view(self, row_capacity: int, capacity: int, start: int = 0) -> torch.Tensor:
@@ -54,7 +59,9 @@ class KvArena:
                               f"the slot's {self.tokens}")
         if self._buffer is None:
             lay = self.layout
-            self._buffer = torch.empty(self.tokens * lay.token_elements, dtype=lay.dtype, device=self.device)
+            elements = self.tokens * lay.token_elements
+            self._buffer = (self.allocate(elements, lay.dtype) if self.allocate is not None
+                            else torch.empty(elements, dtype=lay.dtype, device=self.device))
         lay = self.layout
         first = start * lay.token_elements
         size = row_capacity * capacity * lay.token_elements

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..execution.runner import BeamPrefilled, Prefilled, Runner
-from ..model.cpu_linear import WARM_FROM, pack_linears, warm_onednn
+from ..model.cpu_linear import WARM_FROM, pack_linears, packed_weights, warm_onednn
 from ..model.forward_context import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
@@ -32,7 +32,7 @@ from .cached_prefill import CachedPrefill
 from .checkpoint import eos_ids, generation_config, resolve_dtype
 from .device import default_kv_cache_bytes, graph_capture
 from .graphs import PiecewiseGraphs
-from .host_memory import one_intra_op_thread, pack_weights
+from .host_memory import host_tensor, one_intra_op_thread, pack_linear_weights, pack_weights
 from .weights import load_weights
 
 log = logging.getLogger("xllm_async.model")
@@ -68,6 +68,8 @@ class ModelRunner(CachedPrefill, Runner):
                 log.info("norms, rotary and SiLU on %s", name)
         # On CPU, one resident block of huge pages instead of the mapped checkpoint (host_memory.py).
         self._weights_block = pack_weights(self.model) if on_host(device) else None
+        # And what a decode step streams, the packed linears, on huge pages too (host_memory.py).
+        self._linears_block = pack_linear_weights(packed_weights(self.model)) if on_host(device) else None
         shape = self.model.shape
         # What computes attention, chosen once (attention_backends.py); a test may set another.
         self.attention = choose_attention(device, self.dtype, shape.head_dim, shape.heads // shape.kv_heads)
@@ -130,7 +132,8 @@ class ModelRunner(CachedPrefill, Runner):
         if arena is None:
             if not self.kv_tokens:
                 self.set_kv_cache(None, 1)
-            arena = self._local.arena = KvArena(self.kv_layout, self.kv_tokens, self.device)
+            arena = self._local.arena = KvArena(self.kv_layout, self.kv_tokens, self.device,
+                                                host_tensor if on_host(self.device) else None)
         return arena
 
     def capture_graphs(self, max_rows: int, capture=None) -> PiecewiseGraphs | None:
