@@ -54,7 +54,10 @@ class FixedStepsScheduler(Scheduler):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(h.num_joining for h in self._handoffs.values())
+        count = len(self.waiting)
+        for handoff in self._handoffs.values():  # (every submit asks: no generator)
+            count += handoff.num_joining
+        return count
 
     @property
     def busy_slots(self) -> int:
@@ -69,6 +72,14 @@ class FixedStepsScheduler(Scheduler):
     def joining(self) -> dict[int, int]:
         """Slot -> requests handed to its running long generation batch, not yet taken in."""
         return {i: h.num_joining for i, h in self._handoffs.items() if h.joinable}
+
+    def _any_joinable(self) -> bool:
+        """Whether a running batch takes joiners (add() asks on every arrival while the slots are busy:
+        a plain loop, not the joining map)."""
+        for handoff in self._handoffs.values():
+            if handoff.joinable:
+                return True
+        return False
 
     def handoff(self, index: int) -> SlotHandoff:
         return self._handoffs[index]
@@ -93,7 +104,7 @@ class FixedStepsScheduler(Scheduler):
                 self._join(long_only=True)
             if self._idle and self.waiting and not self._worth_filling(self.busy_slots):
                 self._start(self._take_idle())
-            elif not self._idle and self.joining:
+            elif not self._idle and self._any_joinable():
                 self._join()
         if self.waiting:
             self._arrived.set()
