@@ -136,6 +136,15 @@ def thread_cpu() -> dict[str, float]:
 
 async def cpu_only(args, service, drive) -> None:
     """No profiler: each thread's CPU time a request, the batches run, the throughput."""
+    shares = {True: 0, False: 0}  # the slots' share_cores(alone) calls: how often a batch took every core
+    kind = type(service.slots[0].binding)  # (a class with __slots__: wrapped on the class)
+    plain = kind.share_cores
+
+    def counted(binding, alone: bool) -> None:
+        shares[alone] += 1
+        plain(binding, alone)
+
+    kind.share_cores = counted
     before, batches = thread_cpu(), sum(s.batches_run for s in service.slots)
     seconds = await drive(args.requests)
     after, batches = thread_cpu(), sum(s.batches_run for s in service.slots) - batches
@@ -146,7 +155,9 @@ async def cpu_only(args, service, drive) -> None:
     print(f"cpu {os.path.basename(args.checkout)}: {n / seconds:.0f} req/s, {n / batches:.1f} requests a batch, "
           f"CPU us/request: total {sum(used.values()) / n * 1e6:.0f} "
           + " ".join(f"{name.split(':')[0].removeprefix('xllm-')}={t / n * 1e6:.0f}"
-                   for name, t in sorted(busy.items())), flush=True)
+                   for name, t in sorted(busy.items()))
+          + f"; every core {shares[True] / max(1, shares[True] + shares[False]):.0%} of "
+            f"{(shares[True] + shares[False]) / batches:.1f} share_cores a batch", flush=True)
 
 
 def main() -> None:
