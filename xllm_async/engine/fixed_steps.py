@@ -50,6 +50,7 @@ class FixedStepsScheduler(Scheduler):
         self._num_slots = len(slots)
         self._filling = False  # _run holds a slot while its batch fills
         self._wide: int | None = None  # the slot running a short batch on every core
+        self._published: tuple | None = None  # what _publish last told the handoffs
         self._task: asyncio.Task | None = None
 
     @property
@@ -117,11 +118,12 @@ class FixedStepsScheduler(Scheduler):
     def _publish(self) -> None:
         """Tell the slots' threads what they read of the loop's state: whether a batch may take every
         core, and what the follow-on rule needs. Called after every change of what decides them."""
-        may_widen = self.alone()
+        state = (self.alone(), self.returns.return_delay, len(self._idle))
+        if state == self._published:  # (most arrivals change none of it)
+            return
+        self._published = state
         for handoff in self._handoffs.values():
-            handoff.may_widen = may_widen
-            handoff.return_delay = self.returns.return_delay
-            handoff.idle_others = len(self._idle)
+            handoff.may_widen, handoff.return_delay, handoff.idle_others = state
 
     def _join_instead(self) -> bool:
         joinable = [h for h in self._handoffs.values() if h.joinable]
