@@ -145,19 +145,39 @@ async def cpu_only(args, service, drive) -> None:
         plain(binding, alone)
 
     kind.share_cores = counted
+    collections = [[0, 0.0, 0.0] for _ in range(3)]  # per generation: count, seconds, start
+
+    def collected(phase: str, info: dict) -> None:
+        entry = collections[info["generation"]]
+        if phase == "start":
+            entry[2] = time.perf_counter()
+        else:
+            entry[0] += 1
+            entry[1] += time.perf_counter() - entry[2]
+
+    import gc
+    gc.callbacks.append(collected)
+    # The loop's and the slots' own clocks (nanoseconds; /proc ticks in 10 ms), read on each thread.
+    clocks = [time.thread_time()] + [slot.call(time.thread_time) for slot in service.slots]
     before, batches = thread_cpu(), sum(s.batches_run for s in service.slots)
     seconds = await drive(args.requests)
     after, batches = thread_cpu(), sum(s.batches_run for s in service.slots) - batches
+    clocks = [time.thread_time() - clocks[0]] + [slot.call(time.thread_time) - c
+                                                  for slot, c in zip(service.slots, clocks[1:])]
     await service.shutdown()
     n = args.requests
     used = {name: after[name] - before.get(name, 0.0) for name in after}
     busy = {name: t for name, t in used.items() if t > 0.001}
     print(f"cpu {os.path.basename(args.checkout)}: {n / seconds:.0f} req/s, {n / batches:.1f} requests a batch, "
-          f"CPU us/request: total {sum(used.values()) / n * 1e6:.0f} "
+          f"thread_time us/request: loop {clocks[0] / n * 1e6:.1f} "
+          + " ".join(f"slot-{i} {c / n * 1e6:.1f}" for i, c in enumerate(clocks[1:]))
+          + f"; CPU us/request (/proc): total {sum(used.values()) / n * 1e6:.0f} "
           + " ".join(f"{name.split(':')[0].removeprefix('xllm-')}={t / n * 1e6:.0f}"
                    for name, t in sorted(busy.items()))
           + f"; every core {shares[True] / max(1, shares[True] + shares[False]):.0%} of "
-            f"{(shares[True] + shares[False]) / batches:.1f} share_cores a batch", flush=True)
+            f"{(shares[True] + shares[False]) / batches:.1f} share_cores a batch; gc "
+          + " ".join(f"gen{g} {c / n * 1000:.1f}/1000 req {t / n * 1e6:.1f} us/req"
+                     for g, (c, t, _) in enumerate(collections)), flush=True)
 
 
 def main() -> None:
