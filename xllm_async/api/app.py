@@ -217,7 +217,9 @@ class OpenAIApp:
 
     async def _parse(self, request: HttpRequest, parser, chat: bool) -> GenerationSpec:
         body = parse_json(request.body)
-        return await self._tokenizing(holds_long_text(body, len(request.body), chat), parser, body)
+        if not holds_long_text(body, len(request.body), chat):  # (as _tokenizing, without its coroutine)
+            return parser(body, self.model)
+        return await self._tokenizing(True, parser, body)
 
     async def _tokenizing(self, long: bool, work, body: dict):
         """work(body, model): on the loop where it takes microseconds (a thread hop would cost

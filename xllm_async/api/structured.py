@@ -25,6 +25,7 @@ STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "gramma
                    "json_object": "json_object"}
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
+_FIELDS = frozenset(("response_format", "structured_outputs", *GUIDED_FIELDS))
 KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
               "choice": "choice list", "grammar": "grammar"}
 
@@ -43,6 +44,8 @@ class GrammarSpec:
 
 def structured_output(fields: Fields) -> GrammarSpec | None:
     """The request's one structured output, or None; two at once get 400."""
+    if _FIELDS.isdisjoint(fields.body):  # (nearly every request: none of them sent)
+        return None
     found = [spec for spec in (_response_format(fields), _structured_outputs(fields)) if spec is not None]
     for name, kind in GUIDED_FIELDS.items():
         value = fields.raw(name)

@@ -16,10 +16,13 @@ MAX_BAD_WORDS = 128  # vLLM's limit of bad words a request
 MAX_BAD_WORD_CHARS = 1000
 FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "presence_penalty", "frequency_penalty",
           "repetition_penalty")
+_FIELD_SET = frozenset(FIELDS)
 
 
 def token_controls(fields: Fields, model: ModelInfo, max_tokens: int) -> TokenControls | None:
     """The request's controls, or None where none of them changes anything (the sampler's plain path)."""
+    if _FIELD_SET.isdisjoint(fields.body):  # (nearly every request: none of them sent)
+        return None
     controls = TokenControls(
         logit_bias=_logit_bias(fields, model),
         allowed=_allowed(fields, model),

@@ -15,6 +15,10 @@ from .fields import Fields, bad
 from .model_info import ModelInfo
 
 
+# Without both, there is no vLLM beam search and no length_penalty to check.
+_FIELDS = frozenset(("use_beam_search", "length_penalty"))
+
+
 class VllmBeamSearch:
     """What a request's use_beam_search asks for."""
 
@@ -28,6 +32,8 @@ class VllmBeamSearch:
 def read_use_beam_search(fields: Fields, model: ModelInfo) -> VllmBeamSearch | None:
     """use_beam_search's search, or None without it (then length_penalty only at its default,
     unless our own `beam_width` search takes it)."""
+    if _FIELDS.isdisjoint(fields.body):  # (nearly every request: neither sent)
+        return None
     if not fields.bool("use_beam_search", False):
         if fields.raw("beam_width") is None:
             _default_length_penalty(fields, "applies to a beam search (`use_beam_search`) only")

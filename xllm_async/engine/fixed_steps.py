@@ -50,11 +50,15 @@ class FixedStepsScheduler(Scheduler):
         self._num_slots = len(slots)
         self._filling = False  # _run holds a slot while its batch fills
         self._wide: int | None = None  # the slot running a short batch on every core
+        self._published: tuple | None = None  # what _publish last told the handoffs
         self._task: asyncio.Task | None = None
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(h.num_joining for h in self._handoffs.values())
+        count = len(self.waiting)
+        for handoff in self._handoffs.values():  # (every submit asks: no generator)
+            count += handoff.num_joining
+        return count
 
     @property
     def busy_slots(self) -> int:
@@ -69,6 +73,14 @@ class FixedStepsScheduler(Scheduler):
     def joining(self) -> dict[int, int]:
         """Slot -> requests handed to its running long generation batch, not yet taken in."""
         return {i: h.num_joining for i, h in self._handoffs.items() if h.joinable}
+
+    def _any_joinable(self) -> bool:
+        """Whether a running batch takes joiners (add() asks on every arrival while the slots are busy:
+        a plain loop, not the joining map)."""
+        for handoff in self._handoffs.values():
+            if handoff.joinable:
+                return True
+        return False
 
     def handoff(self, index: int) -> SlotHandoff:
         return self._handoffs[index]
@@ -93,7 +105,7 @@ class FixedStepsScheduler(Scheduler):
                 self._join(long_only=True)
             if self._idle and self.waiting and not self._worth_filling(self.busy_slots):
                 self._start(self._take_idle())
-            elif not self._idle and self.joining:
+            elif not self._idle and self._any_joinable():
                 self._join()
         if self.waiting:
             self._arrived.set()
@@ -106,11 +118,12 @@ class FixedStepsScheduler(Scheduler):
     def _publish(self) -> None:
         """Tell the slots' threads what they read of the loop's state: whether a batch may take every
         core, and what the follow-on rule needs. Called after every change of what decides them."""
-        may_widen = self.alone()
+        state = (self.alone(), self.returns.return_delay, len(self._idle))
+        if state == self._published:  # (most arrivals change none of it)
+            return
+        self._published = state
         for handoff in self._handoffs.values():
-            handoff.may_widen = may_widen
-            handoff.return_delay = self.returns.return_delay
-            handoff.idle_others = len(self._idle)
+            handoff.may_widen, handoff.return_delay, handoff.idle_others = state
 
     def _join_instead(self) -> bool:
         joinable = [h for h in self._handoffs.values() if h.joinable]

@@ -89,7 +89,11 @@ class WaitingQueue:
 
     def extend(self, requests: list[QueuedRequest]) -> None:
         self._queue.extend(requests)
-        self.arrived.set()
+        # Set takes the event's lock and notifies; once set (every arrival under fixed_steps, whose
+        # slots never wait on it) that is all cost. Safe to skip: the waiter clears it before it
+        # looks at the queue, and these requests are in the queue before is_set() is read.
+        if not self.arrived.is_set():
+            self.arrived.set()
 
     def put_back(self, requests: list[QueuedRequest]) -> None:
         """First in line again (handed to a batch that ended before taking them)."""

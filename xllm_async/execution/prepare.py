@@ -22,8 +22,9 @@ def prepare(runner, request: QueuedRequest) -> None:
         params = request.params
         request.bind(IncrementalDetokenizer(runner.tokenizer), runner.eos_token_ids, runner.max_model_len)
         request.generator = make_generator(params, runner.device, request.index)
-        stop_ids = params.stop_token_ids if params.ignore_eos else runner.eos_token_ids | params.stop_token_ids
-        request.controls = row_controls(params.controls, request.prompt_ids, request.output_ids, stop_ids)
+        if params.controls is not None:  # (the stop ids' set only for the rows that have controls)
+            stop_ids = params.stop_token_ids if params.ignore_eos else runner.eos_token_ids | params.stop_token_ids
+            request.controls = row_controls(params.controls, request.prompt_ids, request.output_ids, stop_ids)
         if request.grammar is not None:
             request.matcher = new_matcher(request.grammar)
 
