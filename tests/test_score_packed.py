@@ -163,3 +163,12 @@ def test_candidate_kernel_merges_a_prompt_and_ancestors(dtype):
         want, _ = plain_attention(q[r].float().view(kv_heads, 2, dim), all_keys, all_values, scale)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(got[r].float(), want.reshape(heads, dim), atol=tol), r
+
+
+def test_leaves_tokens_at_once_equal_one_at_a_time(trie):
+    """ItemTrie.tokens_of_leaves (what `item_ids` are turned into) is tokens() of each leaf."""
+    import numpy as np
+
+    leaves = np.array([0, trie.leaves - 1, 5, 5, *range(1, trie.leaves, 7)])
+    assert trie.tokens_of_leaves(leaves).tolist() == [trie.tokens(int(leaf)) for leaf in leaves]
+    assert [tuple(t) for t in trie.tokens_of_leaves(np.arange(trie.leaves)).tolist()] == sorted(set(ITEMS))
