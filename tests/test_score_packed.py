@@ -114,3 +114,61 @@ def test_shared_prefixes_are_fed_once_and_choiceless_depths_not_at_all(trie):
         assert fed == 0 or len(siblings) > 1
         for depth in range(fed + 1, len(item)):
             assert len({k[depth] for k in ITEMS if list(k[:depth]) == item[:depth]}) == 1
+
+
+def test_candidate_kernel_equals_the_torch_stages(native, trie, monkeypatch):
+    """Stage 2 and the merge on our kernel (csrc/candidate_attention.cpp) give the scores the torch
+    operators give (the path of a CPU without our kernels)."""
+    from xllm_async.model import cpu_kernels
+
+    if cpu_kernels.candidate_attention() is None or getattr(native.attention, "prefix_kernel", None) is None:
+        pytest.skip("our CPU kernels do not serve here")
+    chosen = bodies(trie)
+    kernel = run(native, chosen)
+    monkeypatch.setattr(cpu_kernels, "candidate_attention", lambda: None)
+    plain = run(native, chosen)
+    for a, b in zip(kernel, plain):
+        assert_scores(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidate_kernel_merges_a_prompt_and_ancestors(dtype):
+    """The kernel's rows against the torch reference: softmax over a prompt's keys and each row's
+    ancestors' (root first, itself last), rows of several depths and key-head groups."""
+    from xllm_async.model import cpu_kernels
+    from xllm_async.model.attention_backends import plain_attention
+
+    op = cpu_kernels.candidate_attention()
+    if op is None:
+        pytest.skip("our CPU kernels do not serve here")
+    torch.manual_seed(0)
+    parents = [-1, -1, 0, 0, 2, 1, 4]
+    chains: list[list[int]] = []
+    for row, parent in enumerate(parents):
+        chains.append((chains[parent] if parent >= 0 else []) + [row])
+    rows, heads, kv_heads, dim, prompt, scale = len(parents), 4, 2, 32, 11, 0.3
+    q = torch.randn(rows, heads, dim).to(dtype)
+    qkv = torch.randn(rows, 2, kv_heads, dim).to(dtype)  # (k and v views with a row stride, as a layer's)
+    k, v = qkv[:, 0], qkv[:, 1]
+    keys, values = torch.randn(kv_heads, prompt, dim).to(dtype), torch.randn(kv_heads, prompt, dim).to(dtype)
+    out1, lse1 = plain_attention(q.float().view(rows, kv_heads, 2, dim).transpose(0, 1),
+                                 keys.float()[:, None], values.float()[:, None], scale)
+    out1, lse1 = out1.transpose(0, 1).reshape(rows, heads, dim), lse1.transpose(0, 1).reshape(rows, heads)
+    depth = max(len(c) for c in chains)
+    ancestors = torch.tensor([c + [-1] * (depth - len(c)) for c in chains])
+    got = op(q, k, v, ancestors, out1.to(dtype).contiguous(), lse1.contiguous(), scale)
+    for r, chain in enumerate(chains):
+        all_keys = torch.cat([keys.float(), k.float()[chain].transpose(0, 1)], dim=1)  # [kv_heads, keys, dim]
+        all_values = torch.cat([values.float(), v.float()[chain].transpose(0, 1)], dim=1)
+        want, _ = plain_attention(q[r].float().view(kv_heads, 2, dim), all_keys, all_values, scale)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got[r].float(), want.reshape(heads, dim), atol=tol), r
+
+
+def test_leaves_tokens_at_once_equal_one_at_a_time(trie):
+    """ItemTrie.tokens_of_leaves (what `item_ids` are turned into) is tokens() of each leaf."""
+    import numpy as np
+
+    leaves = np.array([0, trie.leaves - 1, 5, 5, *range(1, trie.leaves, 7)])
+    assert trie.tokens_of_leaves(leaves).tolist() == [trie.tokens(int(leaf)) for leaf in leaves]
+    assert [tuple(t) for t in trie.tokens_of_leaves(np.arange(trie.leaves)).tolist()] == sorted(set(ITEMS))

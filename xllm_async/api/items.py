@@ -116,6 +116,10 @@ class ItemTable:
     def tokens_of(self, item: int) -> list[int]:
         return self.trie.tokens(int(self._leaf_of[item]))
 
+    def tokens_of_items(self, items: np.ndarray) -> list[list[int]]:
+        """tokens_of each of these item numbers, in one vectorised walk of the trie."""
+        return self.trie.tokens_of_leaves(self._leaf_of[np.asarray(items, dtype=np.int64)]).tolist()
+
     def items_of(self, leaf: int, narrowed: ItemFilter | None = None) -> list[str]:
         """The ids of the items that spell this leaf (file order), those the filter lets through,
         at most ITEMS_PER_CHOICE."""

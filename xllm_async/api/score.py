@@ -149,7 +149,7 @@ def _table_items(raw, items: ItemTable | None) -> list[list[int]]:
     if missing:
         listed = ", ".join(shown(m) for m in missing[:10]) + (" ..." if len(missing) > 10 else "")
         raise bad("item_ids", f"`item_ids` names {len(missing)} item(s) not in the item table: {listed}")
-    return [items.tokens_of(int(n)) for n in numbers]
+    return items.tokens_of_items(numbers)
 
 
 def _shared_prefix(sequences: list[list[int]]) -> list[tuple[list[int], list[list[int]]]]:

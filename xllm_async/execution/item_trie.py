@@ -110,6 +110,16 @@ class ItemTrie:
             node = int(np.searchsorted(self.first_child[depth], node, side="right")) - 1
         return tokens[::-1]
 
+    def tokens_of_leaves(self, leaves: np.ndarray) -> np.ndarray:
+        """tokens() of many leaves at once, [len(leaves), L]: each depth one vectorised step for
+        all of them (a /v1/score request's 1,000 item_ids took 0.3-0.7 s a leaf at a time)."""
+        nodes = np.asarray(leaves, dtype=np.int64)
+        out = np.empty((len(nodes), self.length), dtype=np.int64)
+        for depth in range(self.length - 1, -1, -1):
+            out[:, depth] = self.vocab[depth].cpu().numpy()[self.column[depth + 1][nodes]]
+            nodes = np.searchsorted(self.first_child[depth], nodes, side="right") - 1
+        return out
+
     def leaf_range(self, depth: int, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[lo, hi) of each node's leaves: its first child's first child ... down to depth L."""
         lo, hi = nodes, nodes + 1

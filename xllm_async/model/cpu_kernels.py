@@ -267,6 +267,12 @@ def prefix_attention():
     return _prefix if _loaded else None
 
 
+def candidate_attention():
+    """A ranking request's candidate rows' own stage of attention merged with their prompt's
+    (csrc/candidate_attention.cpp) once loaded, or None."""
+    return getattr(torch.ops.xllm, "candidate_attention", None) if _loaded else None
+
+
 def wanted(dtype: torch.dtype) -> bool:
     """Whether the elementwise kernels serve a CPU model in this dtype: bfloat16 wherever the
     library loaded; float32 where its vector paths take float32 too (CPUs with AVX512-BF16). The
