@@ -16,6 +16,19 @@ import numpy as np
 import torch
 
 
+def table_logprobs(runner, hidden: torch.Tensor, vocab: torch.Tensor, allowed: torch.Tensor,
+                   rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Each (rows[e], columns[e])'s log-probability over the tokens allowed[row] lets that row take:
+    the LM head over the depth's vocabulary only, the others masked, the log-sum-exp in float32, as
+    the constrained beam search normalises (BeamSearchBatch._table_tops), so that a candidate's
+    score equals its beam's cumulative_logprob. hidden: one row per distinct node."""
+    logits = runner.logits(hidden, vocab, as_float=False)
+    logits.masked_fill_(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    rows, columns = rows.to(logits.device), columns.to(logits.device)
+    return logits[rows, columns].float() - lse[rows]
+
+
 class TableWalk:
     """Item candidates' paths down their trie, found before the forward: per depth, the distinct
     nodes they are at (`nodes`, each candidate's among them `inverse`), those nodes' allowed tokens
@@ -46,8 +59,7 @@ class TableWalk:
     def score(self, runner, hidden: torch.Tensor, rows: list[list[int]], prompt_row: int, first_row: int,
               scores: torch.Tensor) -> None:
         """Add each candidate's log-probability at every depth where it has a choice to `scores`: the
-        LM head over the depth's tokens at one row per distinct node, the tokens the trie does not
-        allow there masked, the log-sum-exp in float32, as BeamSearchBatch._table_tops computes it.
+        LM head over the depth's tokens at one row per distinct node (table_logprobs).
         rows[j]: candidate j's rows (its tokens' rows among the request's, from first_row on)."""
         device = scores.device
         for depth, (inverse, expansion, columns, chosen) in enumerate(self.depths):
@@ -56,12 +68,10 @@ class TableWalk:
                 continue
             nodes, first = np.unique(inverse[wanted], return_index=True)  # one candidate per node read
             at = [prompt_row if depth == 0 else first_row + rows[j][depth - 1] for j in wanted[first]]
-            logits = runner.logits(hidden[torch.tensor(at, device=hidden.device)], self.trie.vocab[depth],
-                                   as_float=False)
-            logits.masked_fill_(~expansion.mask[torch.from_numpy(nodes).to(expansion.mask.device)], float("-inf"))
-            lse = torch.logsumexp(logits.float(), dim=-1)
-            k = torch.from_numpy(np.searchsorted(nodes, inverse[wanted])).to(logits.device)
-            values = logits[k, torch.from_numpy(columns[wanted]).to(logits.device)].float() - lse[k]
+            allowed = expansion.mask[torch.from_numpy(nodes).to(expansion.mask.device)]
+            values = table_logprobs(runner, hidden[torch.tensor(at, device=hidden.device)], self.trie.vocab[depth],
+                                    allowed, torch.from_numpy(np.searchsorted(nodes, inverse[wanted])),
+                                    torch.from_numpy(columns[wanted]))
             scores.index_add_(0, torch.from_numpy(wanted).to(device), values.to(device))
 
 

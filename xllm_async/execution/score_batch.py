@@ -27,7 +27,7 @@ import torch
 from ..engine.request import Delta
 from ..engine.score_request import ScoreRequest
 from .beam import LOGITS_BLOCK_COLUMNS, SharedPromptBatch
-from .candidate_plan import CandidatePlan
+from .candidate_plan import CandidatePlan, table_logprobs
 
 # Rows whose log-probabilities over the whole vocabulary are taken at once (ScoreBatch._logprobs:
 # their logits held a block of LOGITS_BLOCK_COLUMNS at a time, 1,024 x 16,384 bfloat16 is 32 MB).
@@ -235,7 +235,7 @@ class ScoreBatch(SharedPromptBatch):
     def _table_scores(self, hidden: torch.Tensor, reads: list[_Read]) -> None:
         """Item candidates of one table at one depth: each token's log-probability over the tokens
         the trie allows after the candidate's prefix, as the constrained beam search computes it
-        (the LM head over the depth's tokens, the others masked, log-sum-exp in float32)."""
+        (candidate_plan.table_logprobs)."""
         trie = reads[0].group.request.trie
         depth = reads[0].depth
         vocab = trie.vocab[depth]
@@ -243,15 +243,11 @@ class ScoreBatch(SharedPromptBatch):
         nodes = np.array([r.group.nodes[r.candidates[0]] for r in reads], dtype=np.int64)
         expansion = trie.expand(depth, nodes)
         rows = torch.tensor([r.row for r in reads], device=hidden.device)
-        logits = self.runner.logits(hidden[rows], vocab, as_float=False)
-        logits.masked_fill_(~expansion.mask, float("-inf"))
-        lse = torch.logsumexp(logits.float(), dim=-1)
         at, candidates, runs = _entries(reads)
         targets = [t for group, first, end in runs
                    for t in (group.request.candidates[j][depth] for j in candidates[first:end])]
         columns = torch.searchsorted(vocab, torch.tensor(targets, device=vocab.device))
-        ks = torch.tensor(at, device=logits.device)
-        values = logits[ks, columns].float() - lse[ks]
+        values = table_logprobs(self.runner, hidden[rows], vocab, expansion.mask, torch.tensor(at), columns)
         children = expansion.child[np.asarray(at), columns.cpu().numpy()]
         for group, first, end in runs:
             js = candidates[first:end]

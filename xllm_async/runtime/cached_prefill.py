@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
@@ -24,14 +25,17 @@ from ..model.prefix_cache import PrefixHit, shared_split
 class CachedPrefill:
     """ModelRunner's prefill rows, with or without a prefix cache (see the module's docstring)."""
 
-    def _claim(self, prompts: list[list[int]], whole: list[bool] | None, held: list | None) -> list[PrefixHit]:
+    @contextmanager
+    def _claimed(self, prompts: list[list[int]], whole: list[bool] | None, held: list | None):
         """With a prefix cache, each prompt's hit (held[i] from admission, else matched now), pinned
-        until _release; none without one."""
-        return self.prefix_store.claim(prompts, None, 0, whole, held) if self.prefix_store is not None else []
-
-    def _release(self, hits: list[PrefixHit]) -> None:
-        if hits:
-            self.prefix_store.release_all(hits)
+        for the block's length and released after it, whatever happens inside; none without one."""
+        store = self.prefix_store
+        hits = store.claim(prompts, None, 0, whole, held) if store is not None else []
+        try:
+            yield hits
+        finally:
+            if hits:
+                store.release_all(hits)
 
     def _slab_for_prefixes(self, lengths: list[int], hits: list[PrefixHit]) -> bool:
         """Whether prompts that need no cache of their own (one token each, a single beam round) get
@@ -51,14 +55,11 @@ class CachedPrefill:
             return self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
         hidden, _, cached = self._prefill_rows(prompts[:split], cache, first, None, between_layers, hits[:split])
         rest, lengths, first = prompts[split:], [len(p) for p in prompts[split:]], first + split
-        again = self._claim(rest, None, None)
-        try:
+        with self._claimed(rest, None, None) as again:
             if cache is None and self._slab_for_prefixes(lengths, again):
                 cache, first = SlabCache(self._arena(), len(rest), max(lengths)), 0
                 cache.add_rows(lengths, max(lengths))
             more, ctx, more_cached = self._turns(rest, cache, first, None, between_layers, again)
-        finally:
-            self._release(again)
         return torch.cat([hidden, more]), ctx, cached + more_cached
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
@@ -67,7 +68,7 @@ class CachedPrefill:
                       ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
         prompt's tokens served from the prefix cache (None without one). With a prefix cache (hits:
-        _claim's), each prompt's cached prefix goes into its row first (where it has one) and only
+        _claimed's), each prompt's cached prefix goes into its row first (where it has one) and only
         the rest is computed; the forward writes their new full blocks into the store too. candidates:
         fed after the prompts in the same forward (ModelRunner.score_prefill; never stored)."""
         store = self.prefix_store

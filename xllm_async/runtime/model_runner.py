@@ -200,8 +200,7 @@ class ModelRunner(CachedPrefill, Runner):
                 whole: list[bool] | None, between_layers: Callable[[], None] | None, held: list | None,
                 ) -> tuple[torch.Tensor, SlabCache | None, PackedPrefill, list[int] | None]:
         lengths = [len(p) for p in prompts]
-        hits = self._claim(prompts, whole, held)
-        try:
+        with self._claimed(prompts, whole, held) as hits:
             cache, first = into, 0
             if capacity or into is not None or self._slab_for_prefixes(lengths, hits):
                 capacity = max(capacity, max(lengths))
@@ -209,8 +208,6 @@ class ModelRunner(CachedPrefill, Runner):
                     cache = SlabCache(self._arena(), len(prompts), capacity)
                 first = cache.add_rows(lengths, capacity)
             hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits)
-        finally:
-            self._release(hits)
         return hidden, cache, ctx, cached
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
@@ -233,8 +230,7 @@ class ModelRunner(CachedPrefill, Runner):
         the prompts' rows x the longest prompt, then every beam x its rounds after the first."""
         lengths = [len(p) for p in prompts]
         cache = own = None
-        claimed = self._claim(prompts, None, hits)
-        try:
+        with self._claimed(prompts, None, hits) as claimed:
             if rounds > 1 or self._slab_for_prefixes(lengths, claimed):
                 arena = self._arena()
                 cache = SlabCache(arena, len(prompts), max(lengths))
@@ -243,8 +239,6 @@ class ModelRunner(CachedPrefill, Runner):
                 # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
                 own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
             hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed)
-        finally:
-            self._release(claimed)
         return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
@@ -266,16 +260,13 @@ class ModelRunner(CachedPrefill, Runner):
         candidates[i]: request i's rows as (tokens, parents), parents[r] the row r continues (-1: the prompt)."""
         lengths = [len(p) for p in prompts]
         fed = any(tokens for tokens, _ in candidates)
-        claimed = self._claim(prompts, None, hits)
-        try:
-            cache = None
+        cache = None
+        with self._claimed(prompts, None, hits) as claimed:
             if fed or self._slab_for_prefixes(lengths, claimed):
                 cache = SlabCache(self._arena(), len(prompts), max(lengths))
                 cache.add_rows(lengths, max(lengths))
             hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, claimed,
                                                    candidates if fed else None)
-        finally:
-            self._release(claimed)
         return BeamPrefilled(hidden, None, cached)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
