@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
+#include "decode_attend.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -66,19 +67,7 @@ struct Dot<float> {
   static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 };
 
-template <typename T>
-struct Step {
-  const T* q;
-  const T* keys;
-  const T* values;
-  T* out;
-  const int64_t* lengths;
-  int64_t q_row, q_head;          // q strides (row, head)
-  int64_t k_row, k_head;          // keys/values strides (row, key head); tokens are dim apart
-  int64_t v_row, v_head;
-  int64_t heads, kv_heads, dim;
-  float scale;
-};
+using xllm_decode::Slabs;  // the step's tensors as pointers and strides (decode_attend.h)
 
 // v[i]'s 16 lanes summed, for each i: lane i of the result. Pairs of vectors, then pairs of those,
 // fold their lanes together (unpack, then 128-bit lane shuffles): 15 additions for 16 sums.
@@ -98,16 +87,16 @@ inline __m512 sum16(const __m512 v[16]) {
 
 // One row and one key head: its `group` query heads against the row's first n keys.
 template <typename T>
-void attend_row(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+void attend_row(const Slabs& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
   using D = Dot<T>;
   const int64_t group = a.heads / a.kv_heads, dim = a.dim, n = a.lengths[row];
   const int64_t chunks = dim / D::kStep;
   scores.resize(group * n);
-  const T* keys = a.keys + row * a.k_row + kv_head * a.k_head;
-  const T* values = a.values + row * a.v_row + kv_head * a.v_head;
+  const T* keys = static_cast<const T*>(a.keys) + row * a.k_row + kv_head * a.k_head;
+  const T* values = static_cast<const T*>(a.values) + row * a.v_row + kv_head * a.v_head;
   typename D::Vector q[kMaxGroup][kMaxWidth / D::kStep];
   for (int64_t g = 0; g < group; ++g) {
-    const T* qg = a.q + row * a.q_row + (kv_head * group + g) * a.q_head;
+    const T* qg = static_cast<const T*>(a.q) + row * a.q_row + (kv_head * group + g) * a.q_head;
     for (int64_t c = 0; c < chunks; ++c) q[g][c] = D::load(qg + c * D::kStep);
   }
   // Scores 16 keys at a time: each key's dot product with a query head is a vector of partial
@@ -159,7 +148,7 @@ void attend_row(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<floa
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    T* o = a.out + (row * a.heads + kv_head * group + g) * dim;
+    T* o = static_cast<T*>(a.out) + (row * a.heads + kv_head * group + g) * dim;
     const __m512 inverse = _mm512_set1_ps(1.f / total[g]);
     for (int64_t d = 0; d < vectors; ++d) D::store(o + d * 16, _mm512_mul_ps(out[g][d], inverse));
   }
@@ -169,14 +158,13 @@ template <typename T>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* n,
                  at::Tensor& out, double scale) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(1);
-  Step<T> a{reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(keys.data_ptr()),
-            reinterpret_cast<const T*>(values.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), n,
-            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-            heads, kv_heads, dim, static_cast<float>(scale)};
+  const Slabs a{q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, q.stride(0), q.stride(1),
+                keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), heads, kv_heads, dim,
+                static_cast<float>(scale)};
   const int64_t items = rows * kv_heads;
   auto run = [&](int64_t begin, int64_t end, int64_t step) {
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; item += step) attend_row(a, item / kv_heads, item % kv_heads, scores);
+    for (int64_t item = begin; item < end; item += step) attend_row<T>(a, item / kv_heads, item % kv_heads, scores);
   };
   xllm_parallel::interleaved_items(items, run);
 }
@@ -211,6 +199,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }
 
 }  // namespace
+
+namespace xllm_decode {
+
+template <typename T>
+void attend_item(const Slabs& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+  attend_row<T>(a, row, kv_head, scores);
+}
+
+template void attend_item<bf16>(const Slabs&, int64_t, int64_t, std::vector<float>&);
+template void attend_item<float>(const Slabs&, int64_t, int64_t, std::vector<float>&);
+
+}  // namespace xllm_decode
 
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale) -> Tensor");
