@@ -43,12 +43,6 @@ from .kv_cache import KvLayout
 BLOCK_TOKENS = 32
 
 
-# A batch's prefill is split for a prefix its own prompts share (shared_split) only where a later
-# prompt would find at least this many more blocks: each turn is one more forward, whose fixed cost
-# (every layer's calls) a few blocks' compute pays for.
-MIN_SHARED_BLOCKS = 2
-
-
 class PrefixHit:
     """One prompt's lookup: the chain key of each of its full blocks, and the store's blocks that
     hold its longest cached prefix (pinned until PrefixStore.release)."""
@@ -72,24 +66,6 @@ def chain_keys(prompt: list[int]) -> list[int]:
         parent = hash((parent, tuple(prompt[start:start + BLOCK_TOKENS])))
         keys.append(parent)
     return keys
-
-
-def shared_split(prompts: list[list[int]], hits: list[PrefixHit]) -> int:
-    """Where a batch's prefill splits in two turns (len(prompts): none): the first prompt that would
-    find MIN_SHARED_BLOCKS more blocks than its hit, had the prompts before it stored theirs. The
-    prompts before it go first and store their blocks; it and those after it are looked up again."""
-    computed: set[int] = set()  # chain keys the prompts so far store
-    for j, (prompt, hit) in enumerate(zip(prompts, hits)):
-        found = len(hit.blocks)
-        more = 0
-        for key in hit.keys[found:(len(prompt) - 1) // BLOCK_TOKENS]:
-            if key not in computed:
-                break
-            more += 1
-        if more >= MIN_SHARED_BLOCKS:
-            return j
-        computed.update(hit.keys[found:])
-    return len(prompts)
 
 
 class PrefixStore:

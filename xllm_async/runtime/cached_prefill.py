@@ -19,7 +19,8 @@ import torch
 from ..model.candidate_prefill import CandidatePrefill
 from ..model.forward_context import PackedPrefill
 from ..model.kv_cache import SlabCache
-from ..model.prefix_cache import PrefixHit, shared_split
+from ..model.prefix_cache import PrefixHit
+from ..model.shared_prefix import shared_split
 
 
 class CachedPrefill:
@@ -48,7 +49,7 @@ class CachedPrefill:
                between_layers: Callable[[], None] | None, hits: list[PrefixHit],
                ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """_prefill_rows, in turns where prompts of the batch share a prefix the store lacks
-        (prefix_cache.shared_split): the first turn computes and stores it, the rest find it, looked
+        (shared_prefix.shared_split): the first turn computes and stores it, the rest find it, looked
         up again (in a slab of their own where the batch has none), so the batch computes it once."""
         split = shared_split(prompts, hits) if hits and not (whole and any(whole)) else len(prompts)
         if split == len(prompts):
