@@ -57,6 +57,7 @@ class Settings:
     metrics: str = "on"
     prefix_cache: str = "off"
     prefix_cache_share: float = 0.5
+    prefix_cache_admit: str = "second"
 
 
 # --- value parsers: each returns the value or raises ValueError("what is allowed") ---
@@ -209,6 +210,10 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
                                            "nothing repeats"),
     "prefix_cache_share": (_fraction, "with XLLM_PREFIX_CACHE=on: the share of XLLM_KV_CACHE_BYTES the prefix "
                                       "cache holds, the slots' caches the rest"),
+    "prefix_cache_admit": (_choice("second", "all"), "with XLLM_PREFIX_CACHE=on: which prompts' blocks the prefix "
+                                                     "cache keeps: second, a block seen before (by an earlier prompt, "
+                                                     "or another of its batch), so that prompts that never repeat "
+                                                     "write nothing into it; all, every prompt's"),
 }
 
 

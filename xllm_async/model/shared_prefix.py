@@ -1,6 +1,7 @@
 """A batch whose own prompts share a prefix the store lacks (issue 48): its prefill goes in turns,
 the prompts before the first that would find that prefix first (they compute and store it), the
-rest looked up again (runtime/cached_prefill.py), so that the batch computes it once.
+rest looked up again (runtime/cached_prefill.py), so that the batch computes it once. The store
+keeps those blocks on their first sight too (seen_blocks.py: another prompt of the batch has them).
 """
 
 from __future__ import annotations
