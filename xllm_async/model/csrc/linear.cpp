@@ -33,6 +33,7 @@
 #if defined(__AVX512BF16__)
 #include "avx512_bf16.h"
 #include "blocked_linear.h"
+#include "linear_sums.h"
 
 #if defined(__AMX_BF16__)
 #include "amx_block.h"
@@ -42,7 +43,7 @@ namespace {
 
 using xllm_blocked::kCols;
 using xllm_blocked::kRows;
-constexpr int kVectors = kCols / 16;  // a block's 64 columns: four vectors of 16 float32 sums
+constexpr int kVectors = xllm_linear::kBlockVectors;  // a block's 64 columns: four vectors of 16 sums
 constexpr int kRowGroup = 4;          // rows sharing each weight vector load (our loops): 16 accumulators
 
 #if defined(__AMX_BF16__)
@@ -68,25 +69,13 @@ void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k], 
 }
 
 
-// R rows (1-4) of a times one block, all 64 columns in registers: each k pair loads the block's
-// four vectors once and multiplies each row's pair (broadcast) into them, so a group of rows
-// shares each load. (Keeping two or four sums per column apart for one row, so that more products
-// are in flight, measured no faster: a row's weights come from L3 or DRAM slower than that.)
+// R rows (1-4) of a times one block, all 64 columns in registers (linear_sums.h), then the bias
+// and one rounding to bfloat16.
 template <int R>
 void row_group(const uint16_t* a, int64_t k, const uint16_t* w, uint16_t* out, int64_t n, int64_t n0, int64_t cols,
                const float* bias) {
   __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t pairs = k / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[kVectors];
-    for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + (p * kCols + v * 16) * 2);
-    for (int r = 0; r < R; ++r) {
-      const auto pair = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + r * k + 2 * p));
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair, wv[v]);
-    }
-  }
+  xllm_linear::sums_bf16<R>(a, k, w, acc);
   for (int v = 0; v < kVectors && v * 16 < cols; ++v) {
     const __mmask16 live = xllm_simd::lanes(cols - v * 16);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
@@ -118,23 +107,12 @@ struct BlockProduct {
 #endif
 
 // float32, on AVX512 FMAs (every CPU this library is built for): blocks of 64 columns laid out
-// [K][64] (a k step of a block is four vectors), each column's products summed in k order into
-// one float32 sum, as a dot product would. Unlike bfloat16 there is no pair to multiply, so a row
-// broadcasts one input value a k step, and a group of rows shares each weight load as above.
+// [K][64] (a k step of a block is four vectors), summed as linear_sums.h's sums_f32 says.
 template <int R>
 void row_group_f32(const float* a, int64_t k, const float* w, float* out, int64_t n, int64_t n0, int64_t cols,
                    const float* bias) {
   __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    __m512 wv[kVectors];
-    for (int v = 0; v < kVectors; ++v) wv[v] = _mm512_loadu_ps(w + i * kCols + v * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * k + i]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
-    }
-  }
+  xllm_linear::sums_f32<R>(a, k, w, acc);
   for (int v = 0; v < kVectors && v * 16 < cols; ++v) {
     const __mmask16 live = xllm_simd::lanes(cols - v * 16);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
