@@ -29,15 +29,17 @@ from xllm_async.runtime.device import StreamBinding, resolve_device  # noqa: E40
 from xllm_async.runtime.model_runner import load_runner  # noqa: E402
 
 
-def steps(runner, prompts: list[list[int]], count: int, fused: bool) -> tuple[list[float], list[list[int]]]:
-    """The prompts' prefill, then `count` decode steps one way: each step's wall seconds, and the tokens."""
+def steps(runner, prompts: list[list[int]], count: int, fused: bool) -> tuple[list[tuple[float, float]], list]:
+    """The prompts' prefill, then `count` decode steps one way: each step's (wall, thread CPU) seconds,
+    and the tokens. (Thread CPU leaves out the time another process held the core: with one torch
+    thread, the steadier figure on a crowded machine.)"""
     prefilled = runner.prefill(prompts, max(map(len, prompts)) + count + 1)
     kv, token = prefilled.cache, argmax_rows(prefilled.logits)
     seconds, tokens = [], []
     for _ in range(count):
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.thread_time()
         token = runner.decode_greedy(kv, token) if fused else argmax_rows(runner.decode(kv, token))
-        seconds.append(time.perf_counter() - wall)
+        seconds.append((time.perf_counter() - wall, time.thread_time() - cpu))
         tokens.append(token)
     return seconds, tokens
 
@@ -90,23 +92,26 @@ def main(argv: list[str] | None = None) -> int:
                            for _ in range(rows)]
                 steps(runner, prompts, 8, True)  # unmeasured: first shapes allocate
                 steps(runner, prompts, 8, False)
-                ratios, saved, medians, picked = [], [], {True: [], False: []}, {}
+                took = {(fused, clock): [] for fused in (True, False) for clock in (0, 1)}  # clock 0: wall, 1: CPU
+                picked = {}
                 for round_ in range(args.rounds):
-                    took = {}
                     for fused in ((True, False) if round_ % 2 == 0 else (False, True)):
                         seconds, tokens = steps(runner, prompts, args.steps, fused)
-                        took[fused] = statistics.median(seconds) * 1e3
-                        medians[fused].append(took[fused])
+                        for clock in (0, 1):
+                            took[fused, clock].append(statistics.median(s[clock] for s in seconds) * 1e3)
                         if picked.setdefault(fused, tokens) != tokens:
                             raise SystemExit(f"head_pick: the {'fused' if fused else 'logits'} steps changed tokens")
-                    ratios.append(took[True] / took[False])
-                    saved.append(took[False] - took[True])
                 if picked[True] != picked[False]:
                     raise SystemExit(f"head_pick: {rows} rows: the two ways picked different tokens")
-                print(f"{rows} rows: step ms, medians over rounds: logits {statistics.median(medians[False]):.3f}, "
-                      f"fused {statistics.median(medians[True]):.3f}; fused/logits, median of per-round ratios "
-                      f"{statistics.median(ratios):.3f} (quartiles {' '.join(f'{q:.3f}' for q in statistics.quantiles(ratios, n=4))}); "
-                      f"saved {statistics.median(saved):.3f} ms a step (median of per-round differences); same tokens")
+                for clock, name in ((0, "wall"), (1, "thread CPU")):
+                    fused, logits = took[True, clock], took[False, clock]
+                    ratios = [f / g for f, g in zip(fused, logits)]
+                    print(f"{rows} rows, {name}: step ms, medians over rounds: logits {statistics.median(logits):.3f}, "
+                          f"fused {statistics.median(fused):.3f}; fused/logits, median of per-round ratios "
+                          f"{statistics.median(ratios):.3f} (quartiles "
+                          f"{' '.join(f'{q:.3f}' for q in statistics.quantiles(ratios, n=4))}); saved "
+                          f"{statistics.median(g - f for f, g in zip(fused, logits)):.3f} ms a step (median of "
+                          f"per-round differences); same tokens")
                 pairs = head_alone(runner, rows, args.rounds, 50)
                 print(f"{rows} rows, the head alone: logits way {statistics.median(p[0] for p in pairs):.0f} us, fused "
                       f"{statistics.median(p[1] for p in pairs):.0f} us, median ratio "
