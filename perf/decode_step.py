@@ -1,4 +1,5 @@
-"""One client's decode step offline, as a slot runs it (ModelRunner.decode, then the greedy pick):
+"""One client's decode step offline, as a slot runs a greedy one (ModelRunner.decode_greedy where the
+model has the LM head's fused pick, else ModelRunner.decode, then argmax_rows):
 its wall and thread-CPU medians, and what the host does for it, counted (Python calls and
 nn.Module calls a step, under cProfile). Counts hold on a shared machine where milliseconds do not.
 
@@ -41,6 +42,11 @@ def use(way: str) -> None:
     llama.TEAM_STEP = way == "native"
 
 
+def greedy_step(runner: ModelRunner, kv, token: list[int]) -> list[int]:
+    """A greedy row's step as GenerationBatch takes it: the fused pick where the runner has it."""
+    return runner.decode_greedy(kv, token) if runner.picks_greedy else argmax_rows(runner.decode(kv, token))
+
+
 def steps(runner: ModelRunner, prompt: list[int], count: int) -> tuple[list[tuple[float, float]], list[int]]:
     """The prompt's prefill, then `count` decode steps: (wall, thread CPU) seconds each, and the tokens."""
     prefilled = runner.prefill([prompt], len(prompt) + count + 1)
@@ -49,7 +55,7 @@ def steps(runner: ModelRunner, prompt: list[int], count: int) -> tuple[list[tupl
     seconds, tokens = [], []
     for _ in range(count):
         wall, cpu = time.perf_counter(), time.thread_time()
-        token = argmax_rows(runner.decode(kv, token))
+        token = greedy_step(runner, kv, token)
         seconds.append((time.perf_counter() - wall, time.thread_time() - cpu))
         tokens.append(token[0])
     return seconds, tokens
@@ -63,7 +69,7 @@ def host_counts(runner: ModelRunner, prompt: list[int], count: int = 10) -> tupl
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(count):
-        token = argmax_rows(runner.decode(kv, token))
+        token = greedy_step(runner, kv, token)
     profile.disable()
     stats = pstats.Stats(profile)
     modules = sum(calls for (path, _, name), (_, calls, *_) in stats.stats.items()

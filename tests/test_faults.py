@@ -30,6 +30,11 @@ class FaultyRunner(ModelRunner):
             raise RuntimeError("injected: decode failed")
         return super().decode(kv, tokens, between_layers)
 
+    def decode_greedy(self, kv, tokens, between_layers=None):  # (an all-greedy batch's steps)
+        if POISON in tokens:
+            raise RuntimeError("injected: decode failed")
+        return super().decode_greedy(kv, tokens, between_layers)
+
 
 @pytest.fixture(scope="module")
 def faulty_runner(tiny_model_dir):

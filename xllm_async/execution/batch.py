@@ -117,7 +117,11 @@ class GenerationBatch(Batch):
             if not self.requests:
                 return []
         started = time.monotonic()
-        items = self._advance(self.runner.decode(self.kv, self._next_tokens, between_layers=self.between_layers))
+        if self._greedy_only():  # (the tokens alone: a runner may pick them without making the logits)
+            tokens = self.runner.decode_greedy(self.kv, self._next_tokens, between_layers=self.between_layers)
+            items = self._hand_out(tokens, [None] * len(tokens))
+        else:
+            items = self._advance(self.runner.decode(self.kv, self._next_tokens, between_layers=self.between_layers))
         if self._metrics is not None:
             self._metrics.batch_decoded(time.monotonic() - started, len(items))
         return items
@@ -134,6 +138,18 @@ class GenerationBatch(Batch):
         controls = [r.controls for r in requests] if self._controlled else None
         tokens, logprobs = sample(logits, [r.params for r in requests], [r.generator for r in requests], controls)
         ended = accept_tokens(matchers, constrained, tokens) if constrained else ()
+        return self._hand_out(tokens, logprobs, ended, first)
+
+    def _greedy_only(self) -> bool:
+        """Whether a step needs only each row's argmax, and the runner picks it without the logits: every
+        row greedy, none with log-probabilities, a grammar or token controls (which read or change the
+        logits first)."""
+        return self.runner.picks_greedy and not self._controlled and all(
+            r.params.greedy and r.params.logprobs is None and r.matcher is None for r in self.requests)
+
+    def _hand_out(self, tokens: list[int], logprobs: list, ended=(), first: int = 0) -> Items:
+        """Rows first..'s chosen tokens to their requests (ended: the rows whose grammar ended)."""
+        requests = self.requests[first:]
         items = []
         for row, req in enumerate(requests):
             items.append((req, req.append(tokens[row], logprobs[row], row in ended)))

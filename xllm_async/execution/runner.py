@@ -70,6 +70,9 @@ class Runner(Protocol):
     # A ranking request's candidates go through the layers in its prompt's forward (score_prefill,
     # ours); False: a round per candidate token (beam_decode, transformers).
     packs_candidates: bool
+    # decode_greedy() picks a step's greedy tokens without making its logits (ours, with our packed LM
+    # head on CPU); False: it only takes decode()'s logits' argmax, and the engine takes decode().
+    picks_greedy: bool
 
     def match_prefix(self, prompt: list[int]) -> object:
         """Where caches_prefixes, at admission: the prompt's longest cached prefix, pinned (never evicted)
@@ -105,6 +108,11 @@ class Runner(Protocol):
 
     def decode(self, kv, tokens: list[int], between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """One token per row of the cache; the next logits [rows, vocab]."""
+
+    def decode_greedy(self, kv, tokens: list[int], between_layers: Callable[[], None] | None = None) -> list[int]:
+        """decode(), and each row's greedy token: the argmax of its logits, the first on ties (sampling.py's
+        argmax_rows), for a step that needs nothing else of them; where picks_greedy, without making
+        the logits (ours: the LM head's fused pick, csrc/head_pick.cpp)."""
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
                      between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:

@@ -74,6 +74,20 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     return out if out.shape[0] == rows else out[:rows]
 
 
+def argmax_serves(packed: PackedWeight | None, dtype: torch.dtype) -> bool:
+    """Whether packed_argmax picks over this weight for rows of this dtype, for any number of rows:
+    our layout alone (a layer's oneDNN copy would take its larger row counts), in a dtype our fused
+    pick verified exact here (cpu_kernels.head_pick)."""
+    return packed is not None and packed.ours is not None and packed.onednn is None and cpu_kernels.head_pick(dtype)
+
+
+def packed_argmax(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """Where argmax_serves: each row's index of its largest output of packed_linear(x, packed) (the
+    first on ties, a NaN above all), int64 [rows], by our fused pick (csrc/head_pick.cpp), which
+    makes no [rows, out] outputs."""
+    return torch.ops.xllm.linear_argmax(x, packed.ours, packed.out_features)
+
+
 def linear_packing(dtype: torch.dtype) -> str | None:
     """Which packed linear serves a CPU model in this dtype: in bfloat16 "ours" where our kernel
     (AMX or AVX512-BF16) loaded and ran, else "onednn" where torch has oneDNN's; in float32 "ours"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantized
-from .cpu_linear import EXACT_ROWS, PackedWeight, packed_linear, rows_padded
+from .cpu_linear import EXACT_ROWS, PackedWeight, argmax_serves, packed_argmax, packed_linear, rows_padded
 from .layers import (
     PLAIN_OPS,
     GatedMlp,
@@ -181,6 +181,19 @@ class CausalLM(nn.Module):
         if self._small is None or self._small.ops is not self.fused:  # (tests switch the kernels off and on)
             self._small = SmallStep(self)
         return self._small
+
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether greedy() picks through the LM head's fused pick (our packed head, in a dtype it
+        picks exactly), making no [rows, vocab] logits."""
+        return self.quant_lm_head is None and argmax_serves(self.packed_lm_head, self.lm_head.dtype)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over logits(hidden), int64 [rows] (the first on ties): the fused pick where
+        picks_greedy, else over the logits (torch's argmax: sampling.argmax_rows's answers)."""
+        if self.picks_greedy:
+            return packed_argmax(hidden, self.packed_lm_head)
+        return self.logits(hidden).argmax(-1)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:

@@ -91,6 +91,7 @@ class TransformersRunner(Runner):
     packed = False  # left-padded: a batch costs rows x its longest prompt
     shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
     packs_candidates = False  # ranking requests feed their candidates in rounds (beam_decode)
+    picks_greedy = False  # the logits come out of transformers' forward: decode_greedy saves nothing
     kv_tokens = 0  # until set_kv_cache: no budget
     caches_prefixes = False  # no prefix cache: every prompt is computed whole
     prefix_store = None
@@ -202,6 +203,11 @@ class TransformersRunner(Runner):
                          cache=kv.cache, use_cache=True)
         kv.next_pos = kv.next_pos + 1
         return out.logits[:, -1, :].float()
+
+    def decode_greedy(self, kv: KvCache, tokens: list[int], between_layers=None) -> list[int]:
+        """decode()'s logits' argmax (transformers makes them inside its forward: picks_greedy is False,
+        so the engine takes decode() and its sampler instead)."""
+        return self.decode(kv, tokens, between_layers).argmax(-1).tolist()
 
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 

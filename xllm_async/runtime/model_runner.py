@@ -75,6 +75,7 @@ class ModelRunner(CachedPrefill, Runner):
         self.attention = choose_attention(device, self.dtype, shape.head_dim, shape.heads // shape.kv_heads)
         self._beam_topk = choose_beam_topk(device, self.dtype)
         self.vocab_size = shape.vocab
+        self.picks_greedy = self.model.picks_greedy  # (our packed LM head fused with the argmax)
         self.max_model_len = int(shape.max_positions or 2048)
         generation = generation_config(model_dir)
         self.eos_token_ids = eos_ids(self.tokenizer, generation, self.config)
@@ -219,6 +220,15 @@ class ModelRunner(CachedPrefill, Runner):
         hidden = self._forward(tokens, Decode(self.attention, kv), between_layers)
         kv.step()
         return self.model.logits(hidden)
+
+    def decode_greedy(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
+                      ) -> list[int]:
+        """decode(), and each row's greedy token: where picks_greedy by the LM head's fused pick
+        (CausalLM.greedy), which makes no [rows, vocab] logits."""
+        kv.ensure_room()
+        hidden = self._forward(tokens, Decode(self.attention, kv), between_layers)
+        kv.step()
+        return self.model.greedy(hidden).tolist()
 
     # --- beam search (execution/beam.py): the prompt's keys once, each beam's own tokens apart ---
 

@@ -21,16 +21,15 @@ constexpr int kVectors = kCols / 16;  // four vectors of 16 float32 sums
 constexpr int kRowGroup = 4;          // bfloat16: rows sharing each weight vector load (16 accumulators)
 constexpr int kRowGroupF32 = 6;       // float32: 24 accumulators, the loaded vectors, one broadcast
 
-// R rows (1-4) of a [R, k] bfloat16 times the vectors [v0, v1) of one block ([K/2][64][2]), their
-// sums in registers: each k pair loads those vectors once and multiplies each row's pair
-// (broadcast) into them, so a group of rows shares each load. (Keeping two or four sums per column
-// apart for one row, so that more products are in flight, measured no faster: a row's weights
-// come from L3 or DRAM slower than that.) Out: columns n0 + 16 v .. of rows n apart, the block's
-// first `cols` real; bias (float32, or null) added before the one rounding to bfloat16.
+// The float32 sums of R rows (1-4) of a [R, k] bfloat16 times the vectors [v0, v1) of one block
+// ([K/2][64][2]), in registers (the linear rounds and stores them, head_pick.cpp keeps their
+// best): each k pair loads those vectors once and multiplies each row's pair (broadcast) into
+// them, so a group of rows shares each load. (Keeping two or four sums per column apart for one
+// row, so that more products are in flight, measured no faster: a row's weights come from L3 or
+// DRAM slower than that.)
 template <int R>
-void row_group(const uint16_t* a, int64_t k, const uint16_t* w, uint16_t* out, int64_t n, int64_t n0, int64_t cols,
-               const float* bias, int v0 = 0, int v1 = kVectors) {
-  __m512 acc[R][kVectors];
+inline void sums(const uint16_t* a, int64_t k, const uint16_t* w, __m512 (&acc)[R][kVectors], int v0 = 0,
+                 int v1 = kVectors) {
   for (int r = 0; r < R; ++r)
     for (int v = v0; v < v1; ++v) acc[r][v] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
@@ -42,20 +41,13 @@ void row_group(const uint16_t* a, int64_t k, const uint16_t* w, uint16_t* out, i
       for (int v = v0; v < v1; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair, wv[v]);
     }
   }
-  for (int v = v0; v < v1 && v * 16 < cols; ++v) {
-    const __mmask16 live = xllm_simd::lanes(cols - v * 16);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) xllm_simd::store_bf16(out + r * n + n0 + v * 16, _mm512_add_ps(acc[r][v], b), live);
-  }
 }
 
 // float32, on AVX512 FMAs: blocks laid out [K][64] (a k step of a block is four vectors), each
 // column's products summed in k order into one float32 sum, as a dot product would. Unlike
 // bfloat16 there is no pair to multiply, so a row broadcasts one input value a k step.
 template <int R>
-void row_group(const float* a, int64_t k, const float* w, float* out, int64_t n, int64_t n0, int64_t cols,
-               const float* bias, int v0 = 0, int v1 = kVectors) {
-  __m512 acc[R][kVectors];
+inline void sums(const float* a, int64_t k, const float* w, __m512 (&acc)[R][kVectors], int v0 = 0, int v1 = kVectors) {
   for (int r = 0; r < R; ++r)
     for (int v = v0; v < v1; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
@@ -66,10 +58,23 @@ void row_group(const float* a, int64_t k, const float* w, float* out, int64_t n,
       for (int v = v0; v < v1; ++v) acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
     }
   }
+}
+
+inline void store_row(uint16_t* out, __m512 x, __mmask16 live) { xllm_simd::store_bf16(out, x, live); }
+inline void store_row(float* out, __m512 x, __mmask16 live) { _mm512_mask_storeu_ps(out, live, x); }
+
+// R rows of a times the vectors [v0, v1) of one block into out (columns n0 + 16 v .. of rows n
+// apart, the block's first `cols` real): the sums, the bias (float32, or null) added, each rounded
+// once to T.
+template <int R, typename T>
+void row_group(const T* a, int64_t k, const T* w, T* out, int64_t n, int64_t n0, int64_t cols, const float* bias,
+               int v0 = 0, int v1 = kVectors) {
+  __m512 acc[R][kVectors];
+  sums<R>(a, k, w, acc, v0, v1);
   for (int v = v0; v < v1 && v * 16 < cols; ++v) {
     const __mmask16 live = xllm_simd::lanes(cols - v * 16);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * n + n0 + v * 16, live, _mm512_add_ps(acc[r][v], b));
+    for (int r = 0; r < R; ++r) store_row(out + r * n + n0 + v * 16, _mm512_add_ps(acc[r][v], b), live);
   }
 }
 
