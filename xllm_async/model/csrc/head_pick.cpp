@@ -79,7 +79,7 @@ inline Best rows_from(const Best& best, int64_t r) {
 template <int R>
 void pick_bf16(const uint16_t* a, int64_t k, const uint16_t* w, int64_t n0, int64_t cols, const Best& best) {
   __m512 sums[R][kVectors];
-  xllm_linear_rows::sums<R>(a, k, w, sums);
+  xllm_linear_rows::sums<R, kVectors>(a, k, w, sums);
   for (int r = 0; r < R; ++r)  // the linear's bias is zero here: + 0 changes no comparison
     for (int v = 0; v < kVectors; ++v) sums[r][v] = xllm_simd::round_bf16(sums[r][v]);
   keep<R>(sums, n0, cols, best);
@@ -105,7 +105,7 @@ struct PickBf16 {
 template <int R>
 void pick_f32(const float* a, int64_t k, const float* w, int64_t n0, int64_t cols, const Best& best) {
   __m512 sums[R][kVectors];
-  xllm_linear_rows::sums<R>(a, k, w, sums);
+  xllm_linear_rows::sums<R, kVectors>(a, k, w, sums);
   keep<R>(sums, n0, cols, best);
 }
 
