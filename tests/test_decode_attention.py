@@ -1,5 +1,5 @@
 """Our decode attention (csrc/decode_attention.cpp, decode_keys.h) where a row's keys are cut into
-spans of kChunk (128) keys merged by their largest scores: against float32 attention for lengths
+spans of kChunk (512) keys merged by their largest scores: against float32 attention for lengths
 on both sides of a span's edge and every group size it takes; and a row's answer the same bits
 alone or among any other rows, on one thread or two (the cut is a constant, the merge in order)."""
 
@@ -13,8 +13,8 @@ from xllm_async.model import cpu_kernels
 
 pytestmark = pytest.mark.kernel("decode attention")
 
-LENGTHS = [1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300, 1000, 1031]
-CAPACITY = 1040
+LENGTHS = [1, 63, 64, 65, 128, 129, 300, 511, 512, 513, 1000, 1024, 1025, 1600]
+CAPACITY = 1610
 
 
 def cache(rows: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
@@ -59,16 +59,16 @@ def test_rows_across_span_edges_attend_as_float32_attention(group, kv_heads, dim
 def test_peaked_scores_merge_without_overflow():
     """Spans whose largest scores differ by far more than float32's exp range: the merge scales each
     span by e^(its peak - the largest), so a span of tiny weights adds nothing rather than NaN."""
-    dim, n = 64, 700
+    dim, n = 64, 1400
     keys, values = cache(1, 1, dim, torch.float32, seed=3)
     q = queries(1, 2, dim, torch.float32, seed=4)
-    keys[0, 0, 500] = q[0, 0] * 40  # one key far above the rest, in the fourth span
+    keys[0, 0, 700] = q[0, 0] * 40  # one key far above the rest, in the second span
     out = cpu_kernels.decode_attention()(q, keys, values, torch.tensor([n]), 1.0)
     want = F.scaled_dot_product_attention(q[0, :, None].float(), keys[0, :, :n].expand(2, n, dim),
                                           values[0, :, :n].expand(2, n, dim), scale=1.0)[:, 0]
     assert out.isfinite().all()
     torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[0, 0], values[0, 0, 500])
+    torch.testing.assert_close(out[0, 0], values[0, 0, 700])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

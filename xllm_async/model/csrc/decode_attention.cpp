@@ -10,9 +10,9 @@
 // float32. The few rows of a decode step leave nothing worth tiling, so no packing: the keys are
 // read where they lie (decode_keys.h).
 //
-// A row's keys past kChunk are cut into spans of kChunk, each its own work item (one row of 256
-// keys and 3 key heads is 6 items, not 3 for 2 threads), merged in span order by their largest
-// scores. Each row is computed apart and where its keys are cut is a constant, so its result never
+// A row's keys past kChunk (512) are cut into spans of kChunk, each its own work item (one row of
+// 1024 keys and 3 key heads is 6 items, not 3 for 2 threads), merged in span order by their
+// largest scores. Each row is computed apart and where its keys are cut is a constant, so its result never
 // depends on the rows beside it or on the threads.
 //
 // Built only where the compiler targets AVX512-BF16; elsewhere the operator is absent and
@@ -29,9 +29,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -75,13 +77,21 @@ void merge(const Step<T>& a, int64_t row, int64_t kv_head, const float* first, i
 
 struct Item {
   int64_t row, kv_head, begin, end;
-  int64_t slot;  // its partial's index among the call's, or -1: the row's whole attention
+  int64_t slot;   // its partial's index among the call's, or -1: the row's whole attention
+  int64_t merge;  // its (row, key head)'s index among the merges, or -1
+};
+
+struct Merge {
+  int64_t row, kv_head, slot, spans;  // its first partial, and how many
 };
 
 // Work items: each (row, key head) whose keys fit one span is one item, a longer one an item per
-// kChunk keys (the last shorter), each leaving a partial, then a merge. Items are interleaved
-// over the threads, then (after a barrier) the merges: one row of 3 key heads and 256 keys is 6
-// items for 2 threads where it was 3 (one thread did 2 while the other waited).
+// kChunk keys (the last shorter), each leaving a partial; whichever thread finishes a (row, key
+// head)'s last span merges its partials, in span order. One row of 3 key heads and 1024 keys is 6
+// items for 2 threads where it was 3 (one thread did 2 while the other waited). The threads claim
+// items as they go (a counter, not a fixed share): on a shared machine a thread that lost its core
+// a while leaves its items to the other rather than the call waiting on it. Which thread computes
+// an item changes nothing in it.
 template <typename T>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* n,
                  at::Tensor& out, double scale) {
@@ -91,47 +101,48 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
                   reinterpret_cast<const T*>(values.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), n,
                   q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
                   heads, kv_heads, dim, static_cast<float>(scale)};
-  std::vector<Item> items, merges;
+  int64_t count = 0;
+  for (int64_t row = 0; row < rows; ++row) count += kv_heads * ((n[row] + kChunk - 1) / kChunk);
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  items.reserve(count);
   int64_t slots = 0;
   for (int64_t row = 0; row < rows; ++row) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       if (n[row] <= kChunk) {
-        items.push_back({row, h, 0, n[row], -1});
+        items.push_back({row, h, 0, n[row], -1, -1});
         continue;
       }
-      merges.push_back({row, h, 0, n[row], slots});
+      const int64_t first = slots, merge = static_cast<int64_t>(merges.size());
       for (int64_t begin = 0; begin < n[row]; begin += kChunk)
-        items.push_back({row, h, begin, std::min(begin + kChunk, n[row]), slots++});
+        items.push_back({row, h, begin, std::min(begin + kChunk, n[row]), slots++, merge});
+      merges.push_back({row, h, first, slots - first});
     }
   }
   const int64_t size = group * (2 + dim);
   std::vector<float> partials(slots * size);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[merges.size()]);
+  for (size_t m = 0; m < merges.size(); ++m) left[m].store(merges[m].spans, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
   const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
-  auto run = [&](int64_t first, int64_t step) {
-    for (size_t i = first; i < items.size(); i += step) {
+  auto run = [&] {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
       const Item& it = items[i];
       attend(a, it.row, it.kv_head, it.begin, it.end, it.slot < 0 ? nullptr : partials.data() + it.slot * size);
-    }
-  };
-  auto gather = [&](int64_t first, int64_t step) {
-    for (size_t i = first; i < merges.size(); i += step) {
-      const Item& m = merges[i];
-      merge(a, m.row, m.kv_head, partials.data() + m.slot * size, (m.end + kChunk - 1) / kChunk);
-    }
-  };
-  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), items.size()));
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    {
-      run(omp_get_thread_num(), omp_get_num_threads());
-      if (!merges.empty()) {
-#pragma omp barrier
-        gather(omp_get_thread_num(), omp_get_num_threads());
+      // (acq_rel: the last span's thread sees the other spans' partials)
+      if (it.merge >= 0 && left[it.merge].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const Merge& m = merges[it.merge];
+        merge(a, m.row, m.kv_head, partials.data() + m.slot * size, m.spans);
       }
     }
+  };
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), count));
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    run();
   } else {
-    run(0, 1);
-    gather(0, 1);
+    run();
   }
 }
 

@@ -22,8 +22,12 @@ constexpr int kMaxGroup = 8;    // query heads a key head may serve here
 constexpr int kMaxWidth = 256;  // head width
 // Keys a work item reads at most. A constant, never derived from the batch or the threads: where
 // a row's keys are cut decides its summation order, so a row's answer stays the same bits
-// whatever rows share its call and however many threads run it.
-constexpr int64_t kChunk = 128;
+// whatever rows share its call and however many threads run it. 512, by measurement on the EPYC
+// (perf/experiments/decode_attention_bench.py, 2 threads): a span costs its own start (each
+// span's keys and values are streams the prefetcher picks up anew), so 128-key spans read 1.2-1.3x
+// slower than 256 from a cold cache, and 256 ~0.8-0.9x slower than 512 at 8 rows of 512-1024
+// keys, where the items are already many; at one row splitting only evened the threads out.
+constexpr int64_t kChunk = 512;
 
 // What a dot-product step is in each element type (T: bf16 or float): a vector of 32 bfloat16
 // values (16 pairs) or of 16 floats, and the products it adds into 16 float32 lanes.
