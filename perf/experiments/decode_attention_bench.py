@@ -1,9 +1,9 @@
 """Our decode attention (xllm_async/model/csrc/decode_attention.cpp) against another version of
-itself, in one process: the other (by default main's) is compiled apart from `git show REF:...`
+itself, in one process: the other (by default the branch point's) is compiled apart from `git show REF:...`
 with its operator renamed torch.ops.xllm_old.decode_attention, so both run side by side.
 
     .venv/bin/python perf/experiments/decode_attention_bench.py                 # SmolLM2's shape, bfloat16
-    .venv/bin/python perf/experiments/decode_attention_bench.py --ref main --rounds 9 --dtype float32
+    .venv/bin/python perf/experiments/decode_attention_bench.py --ref 62e89fd --rounds 9 --dtype float32
 
 Shapes: rows x keys (every row the same length), one and two threads, hot (the same call again
 and again, its keys in L2) and cold (a layer's slab out of 30 in turn, with 8 MB of other memory
@@ -25,13 +25,16 @@ import subprocess
 import time
 
 import _perf_path  # noqa: F401
-import torch
+import sys
 
-import xllm_async  # noqa: F401  (OpenMP settings before torch loads)
-from xllm_async.model import cpu_kernels
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # this checkout's package, not the one the environment installed (a worktree's)
+import torch  # noqa: E402
+
+import xllm_async  # noqa: F401,E402  (OpenMP settings before torch loads)
+from xllm_async.model import cpu_kernels  # noqa: E402
 
 SOURCE = "xllm_async/model/csrc/decode_attention.cpp"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def old_kernel(ref: str) -> None:
@@ -74,7 +77,8 @@ def time_calls(op, q, slabs, lengths, scale, calls: int, junk: torch.Tensor | No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ref", default="main", help="the git revision whose kernel is 'old'")
+    parser.add_argument("--ref", default=None, help="the git revision whose kernel is 'old' (default: where this "
+                        "branch left main: a later main's kernel may need headers this tree lacks)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", default="1,2,8")
     parser.add_argument("--keys", default="128,256,512,1024")
@@ -84,6 +88,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60)
     args = parser.parse_args()
     assert cpu_kernels.available() and cpu_kernels.decode_attention() is not None
+    if args.ref is None:
+        args.ref = subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True, capture_output=True,
+                                  text=True).stdout.strip()[:12]
+    assert cpu_kernels.__file__.startswith(ROOT), cpu_kernels.__file__
     old_kernel(args.ref)
     new, old = torch.ops.xllm.decode_attention, torch.ops.xllm_old.decode_attention
     dtype = getattr(torch, args.dtype)
