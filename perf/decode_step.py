@@ -4,9 +4,10 @@ nn.Module calls a step, under cProfile). Counts hold on a shared machine where m
 
     python perf/decode_step.py --model ~/.cache/xllm_async/SmolLM2-135M-Instruct --threads 2 --compare-generic
 
---compare-generic alternates rounds with the generic forward (every layer through its modules, as
-prefills run) and the Python small step (llama.SmallStep's loop where the native one,
-csrc/small_step.cpp, would run), in this process, and checks that all pick the same tokens.
+--compare-generic alternates rounds with the native step as operator calls (csrc/small_step.cpp
+without its one OpenMP team, csrc/team_step.cpp), the Python small step (llama.SmallStep's loop
+where the native one would run) and the generic forward (every layer through its modules, as
+prefills run), in this process, and checks that all pick the same tokens.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ SMALL_ROWS = llama.EXACT_ROWS  # the most rows a step runs as a small step (llam
 
 
 def use(way: str) -> None:
-    """native: as served (the native loop where it runs); small: llama.SmallStep's Python loop;
-    generic: every layer through its modules."""
+    """native: as served (the native loop where it runs, as one team where that runs); operators: the
+    native loop as operator calls; small: llama.SmallStep's Python loop; generic: every layer
+    through its modules."""
     llama.EXACT_ROWS = 0 if way == "generic" else SMALL_ROWS
-    llama.NATIVE_STEP = way == "native"
+    llama.NATIVE_STEP = way in ("native", "operators")
+    llama.TEAM_STEP = way == "native"
 
 
 def steps(runner: ModelRunner, prompt: list[int], count: int) -> tuple[list[tuple[float, float]], list[int]]:
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     binding.enter()  # this thread runs the steps, as a lone slot's would
     rng = random.Random(0)
     prompt = [rng.randrange(1000, min(runner.vocab_size, 40000)) for _ in range(args.input_len)]
-    ways = ("native", "small", "generic") if args.compare_generic else ("native",)
+    ways = ("native", "operators", "small", "generic") if args.compare_generic else ("native",)
     wall: dict[str, list[float]] = {way: [] for way in ways}
     cpu: dict[str, list[float]] = {way: [] for way in ways}
     picked: dict[str, list[int]] = {}
@@ -109,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' '.join(f'{m:.2f}' for m in cpu[way])} | Python calls {calls:.0f}, "
                   f"module calls {modules:.0f} a step")
         if args.compare_generic:
-            same = picked["native"] == picked["small"] == picked["generic"]
-            for way in ("small", "generic"):
+            same = picked["native"] == picked["operators"] == picked["small"] == picked["generic"]
+            for way in ("operators", "small", "generic"):
                 print(f"native / {way}, round by round: wall "
                       + " ".join(f"{s / g:.3f}" for s, g in zip(wall["native"], wall[way]))
                       + " | CPU " + " ".join(f"{s / g:.3f}" for s, g in zip(cpu["native"], cpu[way])))

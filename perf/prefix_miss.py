@@ -12,12 +12,17 @@ machine may be shared, so read the ratios, not the times.
     .venv/bin/python perf/prefix_miss.py                                   # small model, 320 tokens
     .venv/bin/python perf/prefix_miss.py --sizes 2 --reps 40 --profile     # + cProfile of the on path
     .venv/bin/python perf/prefix_miss.py --shared 896 --length 64 --sizes 8,16 --reps 10   # a shared prefix
+    .venv/bin/python perf/prefix_miss.py --admit all       # every prompt's blocks kept (before second sight)
+
+Since issue 48's second sight (model/seen_blocks.py; --admit second, the default) a never-seen
+prompt keeps nothing: "keep" is then the admission (admitted) and an empty reserve and commit.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import os
 import pstats
 import random
@@ -75,18 +80,21 @@ def main() -> None:
                         "--length (a new prefix each batch): the batch's shared prefix computed once (issue 48)")
     parser.add_argument("--touch", action="store_true", help="write the whole store once before measuring "
                         "(a long-running server's: no page is new)")
+    parser.add_argument("--admit", default="second", choices=("second", "all"),
+                        help="which blocks the store keeps (XLLM_PREFIX_CACHE_ADMIT), where this version has it")
     parser.add_argument("--profile", action="store_true", help="cProfile the on path's batches of the last size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(args.model, torch.device("cpu"), args.dtype)
-    runner.set_kv_cache(int(args.kv_bytes * 2**30), 1, 0.5)
+    admit = (args.admit,) if "prefix_admit" in inspect.signature(runner.set_kv_cache).parameters else ()
+    runner.set_kv_cache(int(args.kv_bytes * 2**30), 1, 0.5, *admit)
     store = runner.prefix_store
     timed = Timed()
     # (instance attributes: the runner and the bench call them through the store object; the names
     # of both versions, before issue 48 (keep_all: copies from the slab) and after (reserve, the
     # forward's writes, commit))
     for piece, names in (("match", ("match",)), ("claim", ("claim", "load")),
-                         ("keep", ("keep_all", "reserve", "commit", "abandon")),
+                         ("keep", ("keep_all", "admitted", "reserve", "commit", "abandon")),
                          ("release", ("release_all", "release"))):
         for name in names:
             if hasattr(store, name):
@@ -157,7 +165,8 @@ def main() -> None:
     print(f"{xllm_async.__file__}: {args.model}, {runner.dtype}, {torch.get_num_threads()} thread(s), "
           f"{args.length}-token prompts never seen (after {args.shared} tokens a batch's prompts share), "
           f"1 token out; medians of {args.reps} batches (ms a batch); "
-          f"store {store.capacity} blocks of {prefix_cache.BLOCK_TOKENS}, {store.used} used at the end")
+          f"store {store.capacity} blocks of {prefix_cache.BLOCK_TOKENS}, {store.used} used at the end, "
+          f"admit {args.admit if admit else 'all (no choice in this version)'}")
     # on / off: the batches a second the cache on runs, against off (1.0: it costs nothing); of the
     # medians, the median of each pair's (same batch, back to back), and of CPU time.
     print("| prompts a batch | off | on | on / off | pairs | CPU | match | claim | keep | write | release "

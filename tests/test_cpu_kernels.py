@@ -469,7 +469,8 @@ def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir
     """A decode step of a few rows runs its layers as flat kernel calls: natively, in one call
     (csrc/small_step.cpp), or from Python (llama.SmallStep's loop): the same operations in the same
     order as the generic forward, so the same logits to the last bit; on plain weights packed for
-    our linear and on weights kept in GGUF blocks (int8: Q8_0) for our quantized one."""
+    our linear and on weights kept in GGUF blocks (int8: Q8_0) for our quantized one; natively as
+    one OpenMP team for the whole step or as operator calls."""
     from xllm_async.model import llama, quantized
     from xllm_async.runtime.model_runner import ModelRunner
 
@@ -506,6 +507,50 @@ def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir
     layers = runner.model.shape.layers
     assert between.count("generic") == between.count("python") == 4 * layers  # after every layer
     assert runner.model._small.native is not None  # (every linear on our kernel: the native loop can run)
+    team_before = torch.ops.xllm.team_steps()
     native = steps("native")
     assert all(torch.equal(a, b) for a, b in zip(generic, native))
     assert between.count("native") == 4  # once a step, after the loop: it ran natively
+    # Plain weights on a CPU without AMX: the step ran as one OpenMP team (csrc/team_step.cpp); the
+    # operator calls it replaces give the same bits.
+    teamed = torch.ops.xllm.team_steps() - team_before
+    assert teamed == (4 if quantization == "none" and torch.ops.xllm.linear_isa() == "avx512_bf16" else 0)
+    monkeypatch.setattr(llama, "TEAM_STEP", False)
+    operators = steps("native")
+    assert torch.ops.xllm.team_steps() - team_before == teamed
+    assert all(torch.equal(a, b) for a, b in zip(generic, operators))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_of_the_team_step_answers_as_alone_in_batches_of_2_to_16(small_qwen3_dir, dtype):
+    """A decode step as one OpenMP team (csrc/team_step.cpp) shares each linear between its threads
+    by columns and its attention by (row, key head): a row's logits must not depend on the rows
+    beside it, to the bit in float32, its tokens in bfloat16 (issue 49)."""
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
+    runner = ModelRunner(small_qwen3_dir, torch.device("cpu"), dtype)
+    runner.set_kv_cache(64 << 20, 1)
+    others = random_prompts(43, [5 + (i * 7) % 31 for i in range(15)])
+    prompt = random_prompts(44, [17])[0]
+
+    def steps(batch: list[list[int]]) -> list[torch.Tensor]:  # the first row's logits, step by step
+        out = []
+        with torch.inference_mode():
+            prefilled = runner.prefill(batch, max(map(len, batch)) + 6)
+            logits, kv = prefilled.logits, prefilled.cache
+            for _ in range(5):
+                logits = runner.decode(kv, logits.argmax(-1).tolist())
+                out.append(logits[0].clone())
+        return out
+
+    before = torch.ops.xllm.team_steps()
+    alone = steps([prompt])
+    for size in (2, 5, 16):
+        batched = steps([prompt] + others[:size - 1])
+        if dtype == "float32":
+            assert all(torch.equal(a, b) for a, b in zip(alone, batched)), size
+        else:
+            assert [int(a.argmax()) for a in alone] == [int(b.argmax()) for b in batched], size
+    if torch.ops.xllm.linear_isa() == "avx512_bf16":  # (on AMX the operator calls run it: the same rule)
+        assert torch.ops.xllm.team_steps() - before == 4 * 5

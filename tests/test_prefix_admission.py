@@ -83,7 +83,8 @@ def test_the_slab_a_hit_is_copied_into_counts_even_for_one_token_requests():
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    return make_runner(tiny_model_dir)
+    # (admit "all": these tests are about pins and the keeping paths, each prompt's blocks kept at once)
+    return make_runner(tiny_model_dir, admit="all")
 
 
 def test_a_hit_from_admission_serves_the_prefill_and_stays_pinned_until_released(runner):
@@ -197,8 +198,9 @@ def path_runner(tiny_model_dir):
 async def start_service(runner, scheduler: str, **extra) -> Service:
     runner.entered.clear()
     runner.gate.clear()
+    # (admit "all": these tests are about pins, each history kept on its first request)
     settings = Settings(model=runner.model_dir, port=0, scheduler=scheduler, prefix_cache="on", kv_cache_bytes=64 << 20,
-                        access_log="off", **extra)
+                        prefix_cache_admit="all", access_log="off", **extra)
     service = Service(settings, runner=runner)
     await service.start()
     return service
@@ -306,9 +308,9 @@ def cached_tokens(body: dict) -> int:
 def test_served_one_token_requests_find_their_prefix_and_answer_as_cold(cached_server, server):
     prompt = random_prompts(41, [150])[0]
     cold = ask(server, prompt, max_tokens=1, **GREEDY)
-    first, again = (ask(cached_server, prompt, max_tokens=1, **GREEDY) for _ in range(2))
-    assert (cached_tokens(first), cached_tokens(again)) == (0, 4 * B)
-    assert first["choices"] == again["choices"] == cold["choices"]
+    first, second, third = (ask(cached_server, prompt, max_tokens=1, **GREEDY) for _ in range(3))
+    assert (cached_tokens(first), cached_tokens(second), cached_tokens(third)) == (0, 0, 4 * B)  # kept on its second
+    assert first["choices"] == second["choices"] == third["choices"] == cold["choices"]
 
 
 def test_served_single_round_beams_find_their_prefix_and_answer_as_cold(cached_server, server, request):
@@ -318,6 +320,7 @@ def test_served_single_round_beams_find_their_prefix_and_answer_as_cold(cached_s
     body = {"beam_width": 4, "num_return_sequences": 4, "max_tokens": 1}
     cold = ask(server, history + [9], **body)
     ask(cached_server, history, **body)
+    ask(cached_server, history, **body)  # (its blocks kept on their second sight)
     grown = ask(cached_server, history + [9], **body)
     assert cached_tokens(grown) == 4 * B and grown["choices"] == cold["choices"]
 
@@ -329,7 +332,7 @@ def test_served_scored_prompts_compute_whole_score_as_cold_and_store_their_block
     first, again = (ask(cached_server, prompt, **body) for _ in range(2))
     assert (cached_tokens(first), cached_tokens(again)) == (0, 0)  # every position's logits computed
     assert first["choices"] == again["choices"] == cold["choices"]
-    assert cached_tokens(ask(cached_server, prompt + [5], max_tokens=2, **GREEDY)) == 4 * B  # stored by the scored ones
+    assert cached_tokens(ask(cached_server, prompt + [5], max_tokens=2, **GREEDY)) == 4 * B  # stored by the second
 
 
 @pytest.fixture(scope="module")

@@ -21,17 +21,19 @@ from .test_robustness import aborts, metric, open_stream, reset
 B = BLOCK_TOKENS
 
 
-def make_runner(model_dir: str, dtype: str = "float32", share: float = 0.5, total: int = 64 << 20):
+def make_runner(model_dir: str, dtype: str = "float32", share: float = 0.5, total: int = 64 << 20,
+                admit: str = "second"):
     from xllm_async.runtime.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, torch.device("cpu"), dtype)
-    runner.set_kv_cache(total, 1, share)
+    runner.set_kv_cache(total, 1, share, admit)
     return runner
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    return make_runner(tiny_model_dir)
+    # (admit "all": these tests are about what a hit serves; tests/test_prefix_second_sight.py, about admission)
+    return make_runner(tiny_model_dir, admit="all")
 
 
 @contextlib.contextmanager
@@ -59,10 +61,11 @@ def run(runner, prompts: list[list[int]], steps: int = 4, cold: bool = False):
     return torch.stack(out), cached
 
 
-def fresh(runner) -> None:
-    """An empty store of the same size."""
+def fresh(runner, admit: str | None = None) -> None:
+    """An empty store of the same size, keeping blocks as the old one did (or as `admit` says)."""
     store = runner.prefix_store
-    runner.prefix_store = PrefixStore(store.layout, store.capacity, store.device)
+    admit = admit or ("second" if store.seen is not None else "all")
+    runner.prefix_store = PrefixStore(store.layout, store.capacity, store.device, admit)
 
 
 @pytest.mark.parametrize("length", [150, 5 * B], ids=["a-partial-last-block", "whole-blocks"])
@@ -185,7 +188,7 @@ def test_the_cached_kernel_gives_each_query_the_sums_of_the_whole_prompts_prefil
 
 def test_a_tiny_store_evicts_the_least_recently_used_and_never_a_pinned_block(runner):
     kept = runner.prefix_store
-    store = runner.prefix_store = PrefixStore(runner.kv_layout, 6, torch.device("cpu"))
+    store = runner.prefix_store = PrefixStore(runner.kv_layout, 6, torch.device("cpu"), "all")
     try:
         first, second, third = random_prompts(7, [100, 100, 100])  # 3 blocks each
         run(runner, [first])
@@ -231,7 +234,7 @@ def test_slots_storing_and_finding_at_once_never_see_another_prompts_keys():
             if found != [float(t) for t in prompt[:hit.tokens]]:
                 wrong.append(f"a hit of {hit.tokens} tokens holds another prompt's keys")
             slabs[:, :, 0, 0, :len(prompt)] = torch.tensor(prompt, dtype=torch.float32)[:, None]  # "the prefill"
-            store.keep_all([prompt], [hit], slabs, 0)
+            store.keep(prompt, hit, slabs, 0)
             store.release_all([hit])
 
     threads = [threading.Thread(target=slot, args=(seed,)) for seed in range(4)]
@@ -250,7 +253,7 @@ def test_slots_storing_and_finding_at_once_never_see_another_prompts_keys():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torchs_attention_takes_a_cached_prefix_too(tiny_model_dir, dtype):
     """(bfloat16: its queries and keys padded to ATTENTION_MULTIPLE, the padding masked.)"""
-    runner = make_runner(tiny_model_dir, str(dtype).removeprefix("torch."))
+    runner = make_runner(tiny_model_dir, str(dtype).removeprefix("torch."), admit="all")
     runner.attention = SdpaAttention(dtype)
     prompts = random_prompts(9, [120, 75])
     run(runner, prompts)
@@ -264,7 +267,7 @@ def test_torchs_attention_takes_a_cached_prefix_too(tiny_model_dir, dtype):
 
 
 def test_bfloat16_gives_the_same_tokens(tiny_model_dir):
-    runner = make_runner(tiny_model_dir, "bfloat16")
+    runner = make_runner(tiny_model_dir, "bfloat16", admit="all")
     prompts = random_prompts(10, [140, 90])
     run(runner, prompts)
     extended = [prompts[0][:130] + [3, 4, 5, 6], prompts[1] + [9]]
@@ -289,14 +292,13 @@ def test_served_answers_report_cached_tokens_and_equal_the_cold_ones(cached_serv
     assert "prompt_tokens_details" not in cold["usage"]
     queries, hits = (metric(cached_server, f"xllm:prefix_cache_{n}", f"xllm:prefix_cache_{n}_total")
                      for n in ("queries", "hits"))
-    first = complete(cached_server, prompt)
-    again = complete(cached_server, prompt)
-    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 4 * B}
-    for answer in (first, again):
+    # Kept on its second sight (XLLM_PREFIX_CACHE_ADMIT=second), found on its third.
+    first, second, third = (complete(cached_server, prompt) for _ in range(3))
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in (first, second, third)] == [0, 0, 4 * B]
+    for answer in (first, second, third):
         assert answer["choices"][0]["text"] == cold["choices"][0]["text"]
         assert answer["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
-    assert metric(cached_server, "xllm:prefix_cache_queries", "xllm:prefix_cache_queries_total") == queries + 300
+    assert metric(cached_server, "xllm:prefix_cache_queries", "xllm:prefix_cache_queries_total") == queries + 450
     assert metric(cached_server, "xllm:prefix_cache_hits", "xllm:prefix_cache_hits_total") == hits + 4 * B
     assert metric(cached_server, "xllm:prefix_cache_bytes") == 32 << 20  # half of XLLM_KV_CACHE_BYTES
     assert 0 < metric(cached_server, "xllm:prefix_cache_usage_ratio") < 1
@@ -308,18 +310,18 @@ def test_concurrent_requests_on_a_shared_prefix_answer_as_cold(cached_server, se
     system = random_prompts(12, [100])[0]
     prompts = [system + q for q in random_prompts(13, [5, 17, 33, 8, 21, 2])]
     with ThreadPoolExecutor(6) as pool:
-        warm = list(pool.map(lambda p: complete(cached_server, p), prompts))
-        warm += list(pool.map(lambda p: complete(cached_server, p), prompts))
-    for prompt, answer in zip(prompts + prompts, warm):
+        warm = [answer for _ in range(3) for answer in pool.map(lambda p: complete(cached_server, p), prompts)]
+    for prompt, answer in zip(prompts * 3, warm):
         cold = complete(server, prompt)
         assert answer["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
-    # The first wave stored every prompt's own full blocks too.
-    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in warm[6:]] == [
+    # The second wave (each prompt's second sight) stored every prompt's own full blocks too.
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in warm[12:]] == [
         (len(p) - 1) // B * B for p in prompts]
 
 
 def test_an_aborted_requests_prompt_serves_the_next_request(cached_server, server):
     prompt = random_prompts(14, [140])[0]
+    complete(cached_server, prompt)  # seen once: the aborted request's prefill (its second sight) keeps it
     aborts_before = aborts(cached_server)
     with cached_server.hold("decode"):  # its prefill (and the store) done, the decode waits
         sock = open_stream(cached_server.port, {"prompt": prompt, "max_tokens": 50, "ignore_eos": True}, headers={})
@@ -339,8 +341,8 @@ def test_served_beam_searches_report_cached_tokens_and_equal_the_cold_ones(cache
     history = random_prompts(16, [200])[0]
     body = {"beam_width": 4, "num_return_sequences": 4, "max_tokens": 3}
     cold = post(server.port, "/v1/completions", {"prompt": history + [9], **body})[1]
-    first = post(cached_server.port, "/v1/completions", {"prompt": history, **body})[1]
+    first, second = (post(cached_server.port, "/v1/completions", {"prompt": history, **body})[1] for _ in range(2))
     grown = post(cached_server.port, "/v1/completions", {"prompt": history + [9], **body})[1]
-    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert first["usage"]["prompt_tokens_details"] == second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert grown["usage"]["prompt_tokens_details"] == {"cached_tokens": 6 * B}
     assert grown["choices"] == cold["choices"]

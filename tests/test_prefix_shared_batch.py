@@ -1,13 +1,14 @@
 """A batch whose own prompts share a prefix the store lacks computes it once (issue 48): the prompts
 before the first that would find it go first and store it, the rest find it (runtime/cached_prefill.py,
-model/prefix_cache.shared_split). Every answer is the cold one, bit for bit in float32."""
+model/shared_prefix.py). Every answer is the cold one, bit for bit in float32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from xllm_async.model.prefix_cache import BLOCK_TOKENS, MIN_SHARED_BLOCKS, PrefixHit, chain_keys, shared_split
+from xllm_async.model.prefix_cache import BLOCK_TOKENS, PrefixHit, chain_keys
+from xllm_async.model.shared_prefix import MIN_SHARED_BLOCKS, shared_split
 
 from .test_generation import random_prompts
 from .test_prefix_cache import beam_rounds, fresh, make_runner, run, store_aside

@@ -57,6 +57,7 @@ class Settings:
     metrics: str = "on"
     prefix_cache: str = "off"
     prefix_cache_share: float = 0.5
+    prefix_cache_admit: str = "second"
 
 
 # --- value parsers: each returns the value or raises ValueError("what is allowed") ---
@@ -205,10 +206,15 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),
     "prefix_cache": (_choice("on", "off"), "our engine: keep prompts' keys and values after their prefill, and "
                                            "prefill a prompt from the end of its longest cached prefix (blocks of "
-                                           "32 tokens, least recently used evicted); off: it costs ~8% where "
-                                           "nothing repeats"),
+                                           "32 tokens, least recently used evicted); off by default: where "
+                                           "nothing repeats it cost ~8% served when every prompt was kept "
+                                           "(before XLLM_PREFIX_CACHE_ADMIT)"),
     "prefix_cache_share": (_fraction, "with XLLM_PREFIX_CACHE=on: the share of XLLM_KV_CACHE_BYTES the prefix "
                                       "cache holds, the slots' caches the rest"),
+    "prefix_cache_admit": (_choice("second", "all"), "with XLLM_PREFIX_CACHE=on: which prompts' blocks the prefix "
+                                                     "cache keeps: second, a block seen before (by an earlier prompt, "
+                                                     "or another of its batch), so that prompts that never repeat "
+                                                     "write nothing into it; all, every prompt's"),
 }
 
 

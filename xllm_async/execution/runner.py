@@ -78,9 +78,11 @@ class Runner(Protocol):
     def release_prefix(self, hit) -> None:
         """A match_prefix() hit's prefill is over (done, failed or never to run): unpin it."""
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0,
+                     prefix_admit: str = "second") -> None:
         """Size the slots' key/value budget: total_bytes (None: the device's default) shared by the slots,
-        less prefix_share of it for a prefix cache shared by them all (where the runner has one)."""
+        less prefix_share of it for a prefix cache shared by them all (where the runner has one), which
+        keeps a block on its second sight (prefix_admit "second") or every prompt's ("all")."""
 
     def warm_up(self, max_rows: int, thread_counts: set[int]) -> None:
         """At start-up on CPU: compile what traffic would otherwise meet first (a no-op where nothing is)."""

@@ -233,7 +233,7 @@ class SmallStep:
             # The whole loop in one call (csrc/small_step.cpp): between_layers once, after it (the
             # step loop asks before every step too; a step is too short to widen in).
             weights, eps, sizes, scale, formats = self.native
-            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale, formats)
+            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale, formats, TEAM_STEP)
             if between_layers is not None:
                 between_layers()
             return x
@@ -246,9 +246,11 @@ class SmallStep:
         return self.ops.rms_norm(x, *self.norm)
 
 
-# Whether decode steps run their layer loop natively where they can (SmallStep.native); tests and
-# perf/decode_step.py switch it to compare.
+# Whether decode steps run their layer loop natively where they can (SmallStep.native), and there in
+# one OpenMP team where that can run (csrc/team_step.cpp) rather than as operator calls; tests and
+# perf/decode_step.py switch them to compare.
 NATIVE_STEP = True
+TEAM_STEP = True
 
 
 def _native_plan(model: CausalLM) -> tuple[list, list[float], list[int], float, list[str]] | None:

@@ -13,15 +13,15 @@ One store serves every execution slot (their threads look up and store concurren
 blocks [layers, 2, blocks, BLOCK_TOKENS, kv_heads, head_dim] out of XLLM_KV_CACHE_BYTES,
 evicted least recently used. A batch's cache stays a rectangle of per-sequence slabs
 (kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill. A
-prompt's new full blocks are taken before its prefill (reserve) and every layer writes their keys
+prompt's new full blocks are kept on their second sight (admitted(): seen_blocks.py; a prompt that
+never repeats writes nothing), taken before its prefill (reserve) and written by every layer
 straight from the packed rows it computed (BlockWrites, called by PackedPrefill.attend), so a
 prompt that keeps no cache of its own (one token out) needs no slab, and nothing is copied twice;
 they are found once the prefill is done (commit). Laid out so, consecutive blocks are one run of
 tokens in every layer, as the packed rows are (a plain copy, where head-major blocks made it a
-transposing one, a third slower: storing is on every miss's path, loading only on a hit's), and a
-prompt's blocks (taken together, in order) go to and from its rows or slab in one copy a layer,
-not one a block. A block is pinned, never evicted, from a request's admission to the end of its
-prefill (BatchBudget.take), and while it is written.
+transposing one, a third slower), and a prompt's blocks (taken together, in order) go to and from
+its rows or slab in one copy a layer. A block is pinned, never evicted, from a request's admission
+to the end of its prefill (BatchBudget.take), and while it is written.
 A prompt always computes at least its last token (its logits are what the prefill is for), so at
 most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 """
@@ -36,17 +36,12 @@ from collections import OrderedDict
 import torch
 
 from .kv_cache import KvLayout
+from .seen_blocks import SeenBlocks
 
 # Tokens a block: a multiple of 16, so that a cached prefix ends on a whole vector of keys in
 # our attention kernel (csrc/varlen_attention.cpp); small, so that a history that grew by a few
 # tokens finds all but its last few tokens.
 BLOCK_TOKENS = 32
-
-
-# A batch's prefill is split for a prefix its own prompts share (shared_split) only where a later
-# prompt would find at least this many more blocks: each turn is one more forward, whose fixed cost
-# (every layer's calls) a few blocks' compute pays for.
-MIN_SHARED_BLOCKS = 2
 
 
 class PrefixHit:
@@ -74,33 +69,16 @@ def chain_keys(prompt: list[int]) -> list[int]:
     return keys
 
 
-def shared_split(prompts: list[list[int]], hits: list[PrefixHit]) -> int:
-    """Where a batch's prefill splits in two turns (len(prompts): none): the first prompt that would
-    find MIN_SHARED_BLOCKS more blocks than its hit, had the prompts before it stored theirs. The
-    prompts before it go first and store their blocks; it and those after it are looked up again."""
-    computed: set[int] = set()  # chain keys the prompts so far store
-    for j, (prompt, hit) in enumerate(zip(prompts, hits)):
-        found = len(hit.blocks)
-        more = 0
-        for key in hit.keys[found:(len(prompt) - 1) // BLOCK_TOKENS]:
-            if key not in computed:
-                break
-            more += 1
-        if more >= MIN_SHARED_BLOCKS:
-            return j
-        computed.update(hit.keys[found:])
-    return len(prompts)
-
-
 class PrefixStore:
     """Blocks of prompts' keys and values shared by every slot (see the module's docstring).
     Thread-safe: the index, pins and recency live under one lock; copies run outside it, on
     blocks pinned for them."""
 
-    def __init__(self, layout: KvLayout, blocks: int, device: torch.device) -> None:
+    def __init__(self, layout: KvLayout, blocks: int, device: torch.device, admit: str = "second") -> None:
         self.layout = layout
         self.capacity = blocks
         self.device = device
+        self.seen = SeenBlocks(blocks) if admit == "second" else None  # (admit "all": every block is kept)
         self._pool: torch.Tensor | None = None  # allocated by the first store
         self._pool_memory: mmap.mmap | None = None  # what a CPU pool lies in (_allocate)
         self._lock = threading.Lock()
@@ -161,11 +139,17 @@ class PrefixStore:
             raise
         self.commit(writes)
 
-    def reserve(self, prompts: list[list[int]], hits: list[PrefixHit], skips: list[int]) -> BlockWrites:
+    def admitted(self, hits: list[PrefixHit]) -> set[int] | None:
+        """A batch's chain keys its prefill may keep (reserve's `kept`; None: all), the batch seen."""
+        return self.seen.admit([hit.keys for hit in hits]) if self.seen is not None else None
+
+    def reserve(self, prompts: list[list[int]], hits: list[PrefixHit], skips: list[int],
+                kept: set[int] | None = None) -> BlockWrites:
         """Before a prefill of these prompts packed end to end, prompt i from its token skips[i]
         on (hits[i].tokens, or 0 where its hit is not used): take a block for each of their full
-        blocks that the store lacks, as far as blocks can be freed, for the forward to write
-        (BlockWrites.write) and commit() to index; abandon() them if it fails."""
+        blocks that the store lacks (up to the first not `kept`, where given: admitted()), as far
+        as blocks can be freed, for the forward to write (BlockWrites.write) and commit() to index;
+        abandon() them if it fails."""
         with self._lock:
             if self._pool is None and self.capacity:
                 self._allocate()
@@ -174,6 +158,8 @@ class PrefixStore:
                 for i in range(len(hit.blocks), len(hit.keys) if taking else 0):
                     if hit.keys[i] in self._index:
                         continue
+                    if kept is not None and hit.keys[i] not in kept:  # (nor could its children be found)
+                        break
                     block = self._take()
                     if block is None:
                         taking = False
@@ -288,11 +274,6 @@ class PrefixStore:
             self.release_all(hits)
             raise
         return hits
-
-    def keep_all(self, prompts: list[list[int]], hits: list[PrefixHit], slabs: torch.Tensor, first: int) -> None:
-        """keep() for each prompt of a batch after its prefill."""
-        for i, (prompt, hit) in enumerate(zip(prompts, hits)):
-            self.keep(prompt, hit, slabs, first + i)
 
     def release_all(self, hits: list[PrefixHit]) -> None:
         for hit in hits:

@@ -19,7 +19,8 @@ import torch
 from ..model.candidate_prefill import CandidatePrefill
 from ..model.forward_context import PackedPrefill
 from ..model.kv_cache import SlabCache
-from ..model.prefix_cache import PrefixHit, shared_split
+from ..model.prefix_cache import PrefixHit
+from ..model.shared_prefix import shared_split
 
 
 class CachedPrefill:
@@ -44,40 +45,48 @@ class CachedPrefill:
         forward writes them into the store (prefix_cache.BlockWrites)."""
         return any(hit.blocks for hit in hits) and len(lengths) * max(lengths) <= self.kv_tokens
 
+    def _admitted(self, hits: list[PrefixHit]) -> set[int] | None:
+        """The chain keys a batch's prefill may keep in the store (PrefixStore.admitted: those seen
+        before, or shared by two of its prompts; None: all), asked once a batch, before any turn."""
+        return self.prefix_store.admitted(hits) if hits else None
+
     def _turns(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
-               between_layers: Callable[[], None] | None, hits: list[PrefixHit],
+               between_layers: Callable[[], None] | None, hits: list[PrefixHit], kept: set[int] | None,
                ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """_prefill_rows, in turns where prompts of the batch share a prefix the store lacks
-        (prefix_cache.shared_split): the first turn computes and stores it, the rest find it, looked
-        up again (in a slab of their own where the batch has none), so the batch computes it once."""
+        (shared_prefix.shared_split): the first turn computes and stores it, the rest find it, looked
+        up again (in a slab of their own where the batch has none), so the batch computes it once.
+        kept: the whole batch's _admitted(), before any turn (a prefix its prompts share is kept)."""
         split = shared_split(prompts, hits) if hits and not (whole and any(whole)) else len(prompts)
         if split == len(prompts):
-            return self._prefill_rows(prompts, cache, first, whole, between_layers, hits)
-        hidden, _, cached = self._prefill_rows(prompts[:split], cache, first, None, between_layers, hits[:split])
+            return self._prefill_rows(prompts, cache, first, whole, between_layers, hits, kept=kept)
+        hidden, _, cached = self._prefill_rows(prompts[:split], cache, first, None, between_layers, hits[:split],
+                                               kept=kept)
         rest, lengths, first = prompts[split:], [len(p) for p in prompts[split:]], first + split
         with self._claimed(rest, None, None) as again:
             if cache is None and self._slab_for_prefixes(lengths, again):
                 cache, first = SlabCache(self._arena(), len(rest), max(lengths)), 0
                 cache.add_rows(lengths, max(lengths))
-            more, ctx, more_cached = self._turns(rest, cache, first, None, between_layers, again)
+            more, ctx, more_cached = self._turns(rest, cache, first, None, between_layers, again, kept)
         return torch.cat([hidden, more]), ctx, cached + more_cached
 
     def _prefill_rows(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
                       between_layers: Callable[[], None] | None, hits: list[PrefixHit],
-                      candidates: list[tuple[list[int], list[int]]] | None = None,
+                      candidates: list[tuple[list[int], list[int]]] | None = None, kept: set[int] | None = None,
                       ) -> tuple[torch.Tensor, PackedPrefill, list[int] | None]:
         """The prompts' forward, their keys into rows first.. of cache (None: none kept), and each
         prompt's tokens served from the prefix cache (None without one). With a prefix cache (hits:
         _claimed's), each prompt's cached prefix goes into its row first (where it has one) and only
-        the rest is computed; the forward writes their new full blocks into the store too. candidates:
-        fed after the prompts in the same forward (ModelRunner.score_prefill; never stored)."""
+        the rest is computed; the forward writes their new full blocks into the store too, those
+        `kept` (_admitted's; None: every one). candidates: fed after the prompts in the same forward
+        (ModelRunner.score_prefill; never stored)."""
         store = self.prefix_store
         skips = [0] * len(prompts)
         if cache is not None and any(hit.blocks for hit in hits):
             for i, hit in enumerate(hits):
                 store.load(hit, cache.slabs, first + i)
             skips = [hit.tokens for hit in hits]
-        stored = store.reserve(prompts, hits, skips) if store is not None else None
+        stored = store.reserve(prompts, hits, skips, kept) if store is not None else None
         try:
             ctx = PackedPrefill(self.attention, [len(p) - skip for p, skip in zip(prompts, skips)], self.device,
                                 cache, first, whole, skips, stored)

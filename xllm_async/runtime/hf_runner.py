@@ -141,7 +141,8 @@ class TransformersRunner(Runner):
         """Never asked, as match_prefix()."""
         raise NotImplementedError("the transformers engine has no prefix cache")
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0,
+                     prefix_admit: str = "second") -> None:
         """transformers' caches grow by concatenation, with no arena: the budget is what admission
         counts (XLLM_KV_CACHE_BYTES, or the device's default, shared by the slots), so that no
         request makes them grow past it."""

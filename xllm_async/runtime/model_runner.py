@@ -113,13 +113,15 @@ class ModelRunner(CachedPrefill, Runner):
     def release_prefix(self, hit: PrefixHit) -> None:
         self.prefix_store.release(hit)
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0) -> None:
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0,
+                     prefix_admit: str = "second") -> None:
         """Size every slot's arena: total_bytes (None: the device's default) shared by the slots,
-        less prefix_share of it for the prefix cache (model/prefix_cache.py; 0: none)."""
+        less prefix_share of it for the prefix cache (model/prefix_cache.py; 0: none), which keeps
+        a block on its second sight (prefix_admit "second": model/seen_blocks.py) or every one ("all")."""
         total = total_bytes or default_kv_cache_bytes(self.device)
         token_bytes = self.kv_layout.token_bytes
         blocks = int(total * prefix_share) // (BLOCK_TOKENS * token_bytes)
-        self.prefix_store = PrefixStore(self.kv_layout, blocks, self.device) if blocks else None
+        self.prefix_store = PrefixStore(self.kv_layout, blocks, self.device, prefix_admit) if blocks else None
         self.kv_tokens = (total - blocks * BLOCK_TOKENS * token_bytes) // slots // token_bytes
         log.info("key/value cache: %d slot(s) x %d tokens (%.0f MiB each, %d bytes a token)", slots,
                  self.kv_tokens, self.kv_tokens * token_bytes / 2**20, token_bytes)
@@ -207,7 +209,7 @@ class ModelRunner(CachedPrefill, Runner):
                 if cache is None:
                     cache = SlabCache(self._arena(), len(prompts), capacity)
                 first = cache.add_rows(lengths, capacity)
-            hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits)
+            hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits, self._admitted(hits))
         return hidden, cache, ctx, cached
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
@@ -238,7 +240,7 @@ class ModelRunner(CachedPrefill, Runner):
             if rounds > 1:
                 # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
                 own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-            hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed)
+            hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed, self._admitted(claimed))
         return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
@@ -266,7 +268,7 @@ class ModelRunner(CachedPrefill, Runner):
                 cache = SlabCache(self._arena(), len(prompts), max(lengths))
                 cache.add_rows(lengths, max(lengths))
             hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, claimed,
-                                                   candidates if fed else None)
+                                                   candidates if fed else None, self._admitted(claimed))
         return BeamPrefilled(hidden, None, cached)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "decode_attend.h"
 #include "decode_keys.h"
 
 #include <omp.h>
@@ -176,6 +177,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }
 
 }  // namespace
+
+namespace xllm_decode {
+
+// One (row, key head) whole on the calling thread, for the one-team step (team_step.cpp shares a
+// step's items between its own threads): its spans in order, then their merge, the operator's
+// arithmetic, so a row's bits are the same either way. partials: the caller's scratch, reused.
+template <typename T>
+void attend_item(const Slabs& s, int64_t row, int64_t kv_head, std::vector<float>& partials) {
+  const Step<T> a{static_cast<const T*>(s.q), static_cast<const T*>(s.keys), static_cast<const T*>(s.values),
+                  static_cast<T*>(s.out), s.lengths, s.q_row, s.q_head, s.k_row, s.k_head, s.v_row, s.v_head,
+                  s.heads, s.kv_heads, s.dim, s.scale};
+  const int64_t group = a.heads / a.kv_heads, n = a.lengths[row];
+  const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
+  if (n <= kChunk) {
+    attend(a, row, kv_head, 0, n, nullptr);
+    return;
+  }
+  const int64_t spans = (n + kChunk - 1) / kChunk, size = group * (2 + a.dim);
+  partials.resize(spans * size);
+  for (int64_t c = 0; c < spans; ++c)
+    attend(a, row, kv_head, c * kChunk, std::min((c + 1) * kChunk, n), partials.data() + c * size);
+  merge(a, row, kv_head, partials.data(), spans);
+}
+
+template void attend_item<bf16>(const Slabs&, int64_t, int64_t, std::vector<float>&);
+template void attend_item<float>(const Slabs&, int64_t, int64_t, std::vector<float>&);
+
+}  // namespace xllm_decode
 
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale) -> Tensor");

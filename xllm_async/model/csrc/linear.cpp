@@ -33,6 +33,7 @@
 #if defined(__AVX512BF16__)
 #include "avx512_bf16.h"
 #include "blocked_linear.h"
+#include "linear_rows.h"
 
 #if defined(__AMX_BF16__)
 #include "amx_block.h"
@@ -42,8 +43,6 @@ namespace {
 
 using xllm_blocked::kCols;
 using xllm_blocked::kRows;
-constexpr int kVectors = kCols / 16;  // a block's 64 columns: four vectors of 16 float32 sums
-constexpr int kRowGroup = 4;          // rows sharing each weight vector load (our loops): 16 accumulators
 
 #if defined(__AMX_BF16__)
 
@@ -67,49 +66,14 @@ void pack_block(const at::Tensor& rows, at::BFloat16* out) {  // rows: [64, k], 
     for (int64_t p = 0; p < pairs; ++p) dst[p * kCols + c] = src[c * pairs + p];
 }
 
-
-// R rows (1-4) of a times one block, all 64 columns in registers: each k pair loads the block's
-// four vectors once and multiplies each row's pair (broadcast) into them, so a group of rows
-// shares each load. (Keeping two or four sums per column apart for one row, so that more products
-// are in flight, measured no faster: a row's weights come from L3 or DRAM slower than that.)
-template <int R>
-void row_group(const uint16_t* a, int64_t k, const uint16_t* w, uint16_t* out, int64_t n, int64_t n0, int64_t cols,
-               const float* bias) {
-  __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t pairs = k / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[kVectors];
-    for (int v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + (p * kCols + v * 16) * 2);
-    for (int r = 0; r < R; ++r) {
-      const auto pair = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + r * k + 2 * p));
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair, wv[v]);
-    }
-  }
-  for (int v = 0; v < kVectors && v * 16 < cols; ++v) {
-    const __mmask16 live = xllm_simd::lanes(cols - v * 16);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) xllm_simd::store_bf16(out + r * n + n0 + v * 16, _mm512_add_ps(acc[r][v], b), live);
-  }
-}
-
 struct BlockProduct {
   int64_t k, n;
   const float* bias;
 
-  void operator()(const at::BFloat16* a_, int64_t rows, const at::BFloat16* w_, uint16_t* out, int64_t n0,
+  void operator()(const at::BFloat16* a, int64_t rows, const at::BFloat16* w, uint16_t* out, int64_t n0,
                   int64_t cols) const {
-    const auto* a = reinterpret_cast<const uint16_t*>(a_);
-    const auto* w = reinterpret_cast<const uint16_t*>(w_);
-    int64_t r = 0;
-    for (; r + kRowGroup <= rows; r += kRowGroup) row_group<kRowGroup>(a + r * k, k, w, out + r * n, n, n0, cols, bias);
-    switch (rows - r) {
-      case 3: row_group<3>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      case 2: row_group<2>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      case 1: row_group<1>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      default: break;
-    }
+    xllm_linear_rows::block_rows(reinterpret_cast<const uint16_t*>(a), rows, k, reinterpret_cast<const uint16_t*>(w),
+                                 out, n, n0, cols, bias);
   }
 
   static void finish() {}
@@ -117,49 +81,13 @@ struct BlockProduct {
 
 #endif
 
-// float32, on AVX512 FMAs (every CPU this library is built for): blocks of 64 columns laid out
-// [K][64] (a k step of a block is four vectors), each column's products summed in k order into
-// one float32 sum, as a dot product would. Unlike bfloat16 there is no pair to multiply, so a row
-// broadcasts one input value a k step, and a group of rows shares each weight load as above.
-template <int R>
-void row_group_f32(const float* a, int64_t k, const float* w, float* out, int64_t n, int64_t n0, int64_t cols,
-                   const float* bias) {
-  __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    __m512 wv[kVectors];
-    for (int v = 0; v < kVectors; ++v) wv[v] = _mm512_loadu_ps(w + i * kCols + v * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * k + i]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
-    }
-  }
-  for (int v = 0; v < kVectors && v * 16 < cols; ++v) {
-    const __mmask16 live = xllm_simd::lanes(cols - v * 16);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + n0 + v * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * n + n0 + v * 16, live, _mm512_add_ps(acc[r][v], b));
-  }
-}
-
-constexpr int kRowGroupF32 = 6;  // 24 accumulators, four weight vectors, one broadcast
-
+// float32 on AVX512 FMAs, every CPU this library is built for (linear_rows.h).
 struct Float32Product {
   int64_t k, n;
   const float* bias;
 
   void operator()(const float* a, int64_t rows, const float* w, float* out, int64_t n0, int64_t cols) const {
-    int64_t r = 0;
-    for (; r + kRowGroupF32 <= rows; r += kRowGroupF32)
-      row_group_f32<kRowGroupF32>(a + r * k, k, w, out + r * n, n, n0, cols, bias);
-    switch (rows - r) {
-      case 5: row_group_f32<5>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      case 4: row_group_f32<4>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      case 3: row_group_f32<3>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      case 2: row_group_f32<2>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      case 1: row_group_f32<1>(a + r * k, k, w, out + r * n, n, n0, cols, bias); break;
-      default: break;
-    }
+    xllm_linear_rows::block_rows(a, rows, k, w, out, n, n0, cols, bias);
   }
 
   static void finish() {}

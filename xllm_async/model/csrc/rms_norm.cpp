@@ -39,16 +39,7 @@ void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at
   int64_t sa = x.stride(0), sb = residual.stride(0);
   parallel_rows(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-#if defined(__AVX512BF16__)
-      using L = Lanes<T>;
-      for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 live = xllm_simd::lanes(n - i);
-        L::store(s + row * n + i, _mm512_add_ps(L::load(b + row * sb + i, live), L::load(a + row * sa + i, live)), live);
-      }
-#else
-      for (int64_t i = 0; i < n; ++i) s[row * n + i] = to_bf16(to_float(b[row * sb + i]) + to_float(a[row * sa + i]));
-#endif
-      norm_row(s + row * n, w, o + row * n, n, static_cast<float>(eps));
+      add_norm_row(a + row * sa, b + row * sb, w, s + row * n, o + row * n, n, static_cast<float>(eps));
     }
   });
 }

@@ -25,7 +25,6 @@ void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   auto* dst = reinterpret_cast<T*>(out.data_ptr());
-  int64_t half = r.width / 2;
   parallel_rows(r.rows, 16, [&](int64_t begin, int64_t end) {
     T normed[1024];
     for (int64_t row = begin; row < end; ++row) {
@@ -38,31 +37,7 @@ void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
           in = normed;
         }
         T* o = dst + (row * r.heads + head) * r.width;
-#if defined(__AVX512BF16__)
-        using L = Lanes<T>;
-        for (int64_t i = 0; i < half; i += 16) {  // both halves, 16 lanes of each at a time
-          __mmask16 live = xllm_simd::lanes(half - i);
-          __m512 first = L::load(in + i, live), second = L::load(in + half + i, live);
-          __m512 c1 = L::round(_mm512_maskz_loadu_ps(live, cr + i));
-          __m512 s1 = L::round(_mm512_maskz_loadu_ps(live, sr + i));
-          __m512 c2 = L::round(_mm512_maskz_loadu_ps(live, cr + half + i));
-          __m512 s2 = L::round(_mm512_maskz_loadu_ps(live, sr + half + i));
-          __m512 minus_second = _mm512_sub_ps(_mm512_setzero_ps(), second);
-          L::store(o + i, _mm512_add_ps(L::round(_mm512_mul_ps(first, c1)), L::round(_mm512_mul_ps(minus_second, s1))),
-                   live);
-          L::store(o + half + i, _mm512_add_ps(L::round(_mm512_mul_ps(second, c2)), L::round(_mm512_mul_ps(first, s2))),
-                   live);
-        }
-#else
-        for (int64_t i = 0; i < half; ++i) {  // the first half turns with minus the second
-          float v = to_float(in[i]), rotated = -to_float(in[i + half]);
-          o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
-        }
-        for (int64_t i = half; i < r.width; ++i) {  // and the second half with the first
-          float v = to_float(in[i]), rotated = to_float(in[i - half]);
-          o[i] = to_bf16(round_bf16(v * round_bf16(cr[i])) + round_bf16(rotated * round_bf16(sr[i])));
-        }
-#endif
+        rope_head(in, cr, sr, o, r.width);
       }
     }
   });

@@ -44,16 +44,7 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       const T* __restrict u = g + n;
       T* __restrict o = dst + row * n;
 #if defined(__AVX512BF16__)
-      // 16 at a time: the scalar loop below is bound by its exp and division (1.2x eager); this
-      // one by memory.
-      using L = Lanes<T>;
-      for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 live = xllm_simd::lanes(n - i);
-        __m512 v = L::load(g + i, live);
-        __m512 e = xllm_simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), v));
-        __m512 silu = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));  // (v / inf = -0, as torch)
-        L::store(o + i, _mm512_mul_ps(L::round(silu), L::load(u + i, live)), live);
-      }
+      silu_mul_span(g, u, o, n);
 #else
       for (int64_t i = 0; i < n; ++i) {
         float v = to_float(g[i]);

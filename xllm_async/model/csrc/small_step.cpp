@@ -7,7 +7,8 @@
 // same kernels on the same inputs). Only plain decode steps come here: every linear packed for our
 // kernel (csrc/linear.cpp) or kept in GGUF blocks for our quantized one (csrc/quant_linear.cpp),
 // the keys in a SlabCache and read by our decode attention (csrc/decode_attention.cpp). Beam
-// rounds stay on llama.SmallStep.
+// rounds stay on llama.SmallStep. Where every linear is packed for ours and the CPU has no AMX, the
+// step goes further: its layers in one OpenMP team, no operator calls (team_step.cpp; `team`).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -18,22 +19,14 @@
 #include <tuple>
 #include <vector>
 
+#include "team_step.h"
+
 namespace {
 
 using Tensor = at::Tensor;
 using Maybe = std::optional<Tensor>;
 
-// Each layer's entries in `weights` (a None where a model has no such tensor).
-enum Entry : int64_t {
-  kInNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kEntries
-};
-// Each layer's entries in `eps`.
-enum Eps : int64_t { kInEps, kQEps, kKEps, kPostEps, kEpsEntries };
-// What `sizes` holds.
-enum Size : int64_t { kLayers, kQSize, kKvSize, kHeads, kKvHeads, kHeadDim, kIntermediate, kSizes };
-// A layer's linears, each with its format in `formats` ("": packed for csrc/linear.cpp; else the
-// GGUF block format csrc/quant_linear.cpp takes).
-enum Linear : int64_t { kQkvLinear, kOLinear, kGateUpLinear, kDownLinear, kLinears };
+using namespace xllm_step;  // the flat lists' layout (team_step.h)
 
 struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
@@ -80,7 +73,7 @@ const Ops& ops() {  // found once, at the first step (every operator is register
 // formats: kLinears a layer (or none: every linear packed for csrc/linear.cpp).
 Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, const c10::List<Maybe>& weights,
                   at::ArrayRef<double> eps, at::IntArrayRef sizes, const Tensor& slabs, const Tensor& slots,
-                  const Tensor& reads, double scale, const std::vector<std::string>& formats) {
+                  const Tensor& reads, double scale, const std::vector<std::string>& formats, bool team) {
   TORCH_CHECK(sizes.size() == kSizes, "small_step: sizes holds ", int64_t(kSizes), " values");
   const int64_t layers = sizes[kLayers], dim = sizes[kHeadDim];
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kEntries + 1 &&
@@ -90,6 +83,9 @@ Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, cons
               "small_step: no formats, or ", int64_t(kLinears), " a layer");
   TORCH_CHECK(slabs.dim() == 6 && slabs.size(0) == layers && slabs.size(1) == 2 && slabs.size(5) == dim,
               "small_step: slabs [layers, 2, rows, kv_heads, capacity, head_dim]");
+  if (team && formats.empty()) {  // (every linear packed for ours: one OpenMP team for the step, where it runs)
+    if (auto out = team_step(x_in, cos, sin, weights, eps, sizes, slabs, slots, reads, scale)) return *out;
+  }
   const auto& op = ops();
   const std::vector<int64_t> split{sizes[kQSize], sizes[kKvSize], sizes[kKvSize]};
   const std::vector<int64_t> q_shape{-1, sizes[kHeads], dim}, kv_shape{-1, sizes[kKvHeads], dim}, flat{-1, dim};
@@ -131,7 +127,7 @@ Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, cons
 
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
   m.def("small_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] weights, float[] eps, int[] sizes, Tensor slabs, "
-        "Tensor slots, Tensor reads, float scale, str[] formats) -> Tensor");
+        "Tensor slots, Tensor reads, float scale, str[] formats, bool team=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xllm, CPU, m) { m.impl("small_step", &small_step); }
