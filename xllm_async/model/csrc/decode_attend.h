@@ -22,7 +22,7 @@ struct Slabs {
   float scale;
 };
 
-// T: uint16_t (bfloat16 bits) or float; scores: the caller's scratch, reused.
+// T: uint16_t (bfloat16 bits) or float; scratch: the caller's (a long row's spans' partials), reused.
 template <typename T>
 void attend_item(const Slabs& a, int64_t row, int64_t kv_head, std::vector<float>& scores);
 

@@ -7,10 +7,13 @@
 // layer, 240 a SmolLM2 step. Here each (row, key head) reads its keys once for all the query
 // heads that share it: dot products on AVX512-BF16 (two bfloat16 products into each float32
 // lane; in float32 one product a lane, by FMAs), softmax in float32, then the values weighted in
-// float32. The few rows of a decode step
-// leave nothing worth tiling, so no packing: the keys are read where they lie.
+// float32. The few rows of a decode step leave nothing worth tiling, so no packing: the keys are
+// read where they lie (decode_keys.h).
 //
-// Each row is computed apart, so its result never depends on the rows beside it.
+// A row's keys past kChunk (512) are cut into spans of kChunk, each its own work item (one row of
+// 1024 keys and 3 key heads is 6 items, not 3 for 2 threads), merged in span order by their
+// largest scores. Each row is computed apart and where its keys are cut is a constant, so its result never
+// depends on the rows beside it or on the threads.
 //
 // Built only where the compiler targets AVX512-BF16; elsewhere the operator is absent and
 // attention.py keeps torch's kernel.
@@ -21,152 +24,127 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "avx512_bf16.h"
 #include "decode_attend.h"
-#include "parallel.h"
+#include "decode_keys.h"
+
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <type_traits>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace {
 
-using bf16 = uint16_t;
+using namespace xllm_decode;
 
-constexpr int kMaxGroup = 8;    // query heads a key head may serve here
-constexpr int kMaxWidth = 256;  // head width
-
-inline __m512bh load_pairs(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-// What a dot-product step is in each element type (T: bf16 or float): a vector of 32 bfloat16
-// values (16 pairs) or of 16 floats, and the products it adds into 16 float32 lanes.
 template <typename T>
-struct Dot;
+using Attend = void (*)(const Step<T>&, int64_t, int64_t, int64_t, int64_t, float*);
 
-template <>
-struct Dot<bf16> {
-  using Vector = __m512bh;
-  static constexpr int64_t kStep = 32;
-  static Vector load(const bf16* p) { return load_pairs(p); }
-  static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_dpbf16_ps(acc, a, b); }
-  static __m512 widen(const bf16* p) { return xllm_simd::load_bf16(p, 0xFFFF); }
-  static void store(bf16* p, __m512 x) { xllm_simd::store_bf16(p, x, 0xFFFF); }
-};
-
-template <>
-struct Dot<float> {
-  using Vector = __m512;
-  static constexpr int64_t kStep = 16;
-  static Vector load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_fmadd_ps(a, b, acc); }
-  static __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-};
-
-using xllm_decode::Slabs;  // the step's tensors as pointers and strides (decode_attend.h)
-
-// v[i]'s 16 lanes summed, for each i: lane i of the result. Pairs of vectors, then pairs of those,
-// fold their lanes together (unpack, then 128-bit lane shuffles): 15 additions for 16 sums.
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 s[8], t[4], w[2];
-  for (int i = 0; i < 8; ++i)  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i], v[2i+1]
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: its four floats' sum for v[4i] .. v[4i+3]
-    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
-    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // [t0's lanes 0+1, t0's 2+3, t1's 0+1, t1's 2+3] (and t2, t3)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+template <typename T, int... G>
+Attend<T> for_group(int64_t group, std::integer_sequence<int, G...>) {
+  Attend<T> table[] = {&attend_keys<T, G + 1>...};
+  return table[group - 1];
 }
 
-// One row and one key head: its `group` query heads against the row's first n keys.
+// A row's spans, in order: its keys' weighted values are the spans' weighted values, each scaled
+// by e^(its peak - the largest peak), summed in span order, over the spans' totals scaled alike.
 template <typename T>
-void attend_row(const Slabs& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
-  using D = Dot<T>;
-  const int64_t group = a.heads / a.kv_heads, dim = a.dim, n = a.lengths[row];
-  const int64_t chunks = dim / D::kStep;
-  scores.resize(group * n);
-  const T* keys = static_cast<const T*>(a.keys) + row * a.k_row + kv_head * a.k_head;
-  const T* values = static_cast<const T*>(a.values) + row * a.v_row + kv_head * a.v_head;
-  typename D::Vector q[kMaxGroup][kMaxWidth / D::kStep];
+void merge(const Step<T>& a, int64_t row, int64_t kv_head, const float* first, int64_t spans) {
+  const int64_t group = a.heads / a.kv_heads, dim = a.dim, size = group * (2 + dim);
   for (int64_t g = 0; g < group; ++g) {
-    const T* qg = static_cast<const T*>(a.q) + row * a.q_row + (kv_head * group + g) * a.q_head;
-    for (int64_t c = 0; c < chunks; ++c) q[g][c] = D::load(qg + c * D::kStep);
-  }
-  // Scores 16 keys at a time: each key's dot product with a query head is a vector of partial
-  // sums, and 16 of them reduce together into one vector of 16 scores (sum16), where reducing each
-  // on its own cost most of the step (a horizontal sum per key and query head). A query head's 16
-  // keys are read from L1 once per head of the group.
-  __m512 peaks[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) peaks[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const __mmask16 live = xllm_simd::lanes(n - j0);
-    const T* kj[16];
-    for (int64_t j = 0; j < 16; ++j) kj[j] = keys + std::min(j0 + j, n - 1) * dim;  // (past n: the last, masked)
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) acc[j] = D::add(acc[j], D::load(kj[j] + c * D::kStep), q[g][c]);
-      }
-      const __m512 s = _mm512_mul_ps(sum16(acc), scale);
-      _mm512_mask_storeu_ps(scores.data() + g * n + j0, live, s);
-      peaks[g] = _mm512_mask_max_ps(peaks[g], live, peaks[g], s);
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < spans; ++c) peak = std::max(peak, first[c * size + g]);
+    __m512 acc[kMaxWidth / 16];
+    for (int64_t d = 0; d < dim / 16; ++d) acc[d] = _mm512_setzero_ps();
+    float total = 0.f;
+    for (int64_t c = 0; c < spans; ++c) {
+      const float* span = first + c * size;
+      const float weight = std::exp(span[g] - peak);
+      total += weight * span[group + g];
+      const __m512 w = _mm512_set1_ps(weight);
+      const float* sums = span + 2 * group + g * dim;
+      for (int64_t d = 0; d < dim / 16; ++d) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(sums + d * 16), acc[d]);
     }
-  }
-  float peak[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) peak[g] = _mm512_reduce_max_ps(peaks[g]);
-  float total[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * n;
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(peak[g]);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 live = xllm_simd::lanes(n - j);
-      __m512 e = _mm512_maskz_mov_ps(live, xllm_simd::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j), shift)));
-      _mm512_mask_storeu_ps(sg + j, live, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    total[g] = _mm512_reduce_add_ps(sum);
-  }
-  const int64_t vectors = dim / 16;
-  __m512 out[kMaxGroup][kMaxWidth / 16];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < vectors; ++d) out[g][d] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vj = values + j * dim;
-    for (int64_t d = 0; d < vectors; ++d) {
-      __m512 v = D::widen(vj + d * 16);
-      for (int64_t g = 0; g < group; ++g) out[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, out[g][d]);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    T* o = static_cast<T*>(a.out) + (row * a.heads + kv_head * group + g) * dim;
-    const __m512 inverse = _mm512_set1_ps(1.f / total[g]);
-    for (int64_t d = 0; d < vectors; ++d) D::store(o + d * 16, _mm512_mul_ps(out[g][d], inverse));
+    T* o = a.out + (row * a.heads + kv_head * group + g) * dim;
+    const __m512 inverse = _mm512_set1_ps(1.f / total);
+    for (int64_t d = 0; d < dim / 16; ++d) Dot<T>::store(o + d * 16, _mm512_mul_ps(acc[d], inverse));
   }
 }
 
+struct Item {
+  int64_t row, kv_head, begin, end;
+  int64_t slot;   // its partial's index among the call's, or -1: the row's whole attention
+  int64_t merge;  // its (row, key head)'s index among the merges, or -1
+};
+
+struct Merge {
+  int64_t row, kv_head, slot, spans;  // its first partial, and how many
+};
+
+// Work items: each (row, key head) whose keys fit one span is one item, a longer one an item per
+// kChunk keys (the last shorter), each leaving a partial; whichever thread finishes a (row, key
+// head)'s last span merges its partials, in span order. One row of 3 key heads and 1024 keys is 6
+// items for 2 threads where it was 3 (one thread did 2 while the other waited). The threads claim
+// items as they go (a counter, not a fixed share): on a shared machine a thread that lost its core
+// a while leaves its items to the other rather than the call waiting on it. Which thread computes
+// an item changes nothing in it.
 template <typename T>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* n,
                  at::Tensor& out, double scale) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(1);
-  const Slabs a{q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), n, q.stride(0), q.stride(1),
-                keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), heads, kv_heads, dim,
-                static_cast<float>(scale)};
-  const int64_t items = rows * kv_heads;
-  auto run = [&](int64_t begin, int64_t end, int64_t step) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; item += step) attend_row<T>(a, item / kv_heads, item % kv_heads, scores);
+  const int64_t group = heads / kv_heads;
+  const Step<T> a{reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(keys.data_ptr()),
+                  reinterpret_cast<const T*>(values.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), n,
+                  q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+                  heads, kv_heads, dim, static_cast<float>(scale)};
+  int64_t count = 0;
+  for (int64_t row = 0; row < rows; ++row) count += kv_heads * ((n[row] + kChunk - 1) / kChunk);
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  items.reserve(count);
+  int64_t slots = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      if (n[row] <= kChunk) {
+        items.push_back({row, h, 0, n[row], -1, -1});
+        continue;
+      }
+      const int64_t first = slots, merge = static_cast<int64_t>(merges.size());
+      for (int64_t begin = 0; begin < n[row]; begin += kChunk)
+        items.push_back({row, h, begin, std::min(begin + kChunk, n[row]), slots++, merge});
+      merges.push_back({row, h, first, slots - first});
+    }
+  }
+  const int64_t size = group * (2 + dim);
+  std::vector<float> partials(slots * size);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[merges.size()]);
+  for (size_t m = 0; m < merges.size(); ++m) left[m].store(merges[m].spans, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+  const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
+  auto run = [&] {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Item& it = items[i];
+      attend(a, it.row, it.kv_head, it.begin, it.end, it.slot < 0 ? nullptr : partials.data() + it.slot * size);
+      // (acq_rel: the last span's thread sees the other spans' partials)
+      if (it.merge >= 0 && left[it.merge].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const Merge& m = merges[it.merge];
+        merge(a, m.row, m.kv_head, partials.data() + m.slot * size, m.spans);
+      }
+    }
   };
-  xllm_parallel::interleaved_items(items, run);
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), count));
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    run();
+  } else {
+    run();
+  }
 }
 
 // q [rows, heads, dim]; keys/values [rows.., kv_heads, capacity, dim] (a slab view: tokens dim
@@ -202,9 +180,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 namespace xllm_decode {
 
+// One (row, key head) whole on the calling thread, for the one-team step (team_step.cpp shares a
+// step's items between its own threads): its spans in order, then their merge, the operator's
+// arithmetic, so a row's bits are the same either way. partials: the caller's scratch, reused.
 template <typename T>
-void attend_item(const Slabs& a, int64_t row, int64_t kv_head, std::vector<float>& scores) {
-  attend_row<T>(a, row, kv_head, scores);
+void attend_item(const Slabs& s, int64_t row, int64_t kv_head, std::vector<float>& partials) {
+  const Step<T> a{static_cast<const T*>(s.q), static_cast<const T*>(s.keys), static_cast<const T*>(s.values),
+                  static_cast<T*>(s.out), s.lengths, s.q_row, s.q_head, s.k_row, s.k_head, s.v_row, s.v_head,
+                  s.heads, s.kv_heads, s.dim, s.scale};
+  const int64_t group = a.heads / a.kv_heads, n = a.lengths[row];
+  const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
+  if (n <= kChunk) {
+    attend(a, row, kv_head, 0, n, nullptr);
+    return;
+  }
+  const int64_t spans = (n + kChunk - 1) / kChunk, size = group * (2 + a.dim);
+  partials.resize(spans * size);
+  for (int64_t c = 0; c < spans; ++c)
+    attend(a, row, kv_head, c * kChunk, std::min((c + 1) * kChunk, n), partials.data() + c * size);
+  merge(a, row, kv_head, partials.data(), spans);
 }
 
 template void attend_item<bf16>(const Slabs&, int64_t, int64_t, std::vector<float>&);
