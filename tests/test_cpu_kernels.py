@@ -461,11 +461,30 @@ def biased_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize("model", ["qwen3", "biased llama"])
+@pytest.fixture(scope="module")
+def narrow_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A Llama whose linears end inside a 64-column block (96 wide: the one-team step
+    shares such a block between its threads vector by vector) and whose key head serves 3 query
+    heads, as SmolLM2's do."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=96, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+        intermediate_size=96, max_position_embeddings=256, initializer_range=0.5,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    path = str(tmp_path_factory.mktemp("models") / "narrow-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model", ["qwen3", "biased llama", "narrow llama"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir, biased_llama_dir, monkeypatch,
-                                                                 dtype, model, quantization):
+def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir, biased_llama_dir, narrow_llama_dir,
+                                                                 monkeypatch, dtype, model, quantization):
     """A decode step of a few rows runs its layers as flat kernel calls: natively, in one call
     (csrc/small_step.cpp), or from Python (llama.SmallStep's loop): the same operations in the same
     order as the generic forward, so the same logits to the last bit; on plain weights packed for
@@ -477,8 +496,8 @@ def test_a_small_step_answers_as_the_generic_forward_bit_for_bit(small_qwen3_dir
     require_kernel("float32 elementwise" if dtype == "float32" else "elementwise")
     if quantization != "none" and not quantized.kernel_verified():
         pytest.skip("our quantized kernel does not serve on this CPU")
-    runner = ModelRunner(small_qwen3_dir if model == "qwen3" else biased_llama_dir, torch.device("cpu"), dtype,
-                         quantization)
+    folder = {"qwen3": small_qwen3_dir, "biased llama": biased_llama_dir, "narrow llama": narrow_llama_dir}[model]
+    runner = ModelRunner(folder, torch.device("cpu"), dtype, quantization)
     runner.set_kv_cache(64 << 20, 1)
     small_steps = []
     run = llama.SmallStep.run

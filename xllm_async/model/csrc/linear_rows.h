@@ -93,15 +93,12 @@ void vector_rows(const T* a, int64_t rows, int64_t k, const T* w, T* out, int64_
 }
 
 // All `rows` of a times the vectors [v0, v1) of one block (its first `cols` columns real, from n0):
-// a whole block in one pass, a part of one vector by vector.
+// a whole block in one pass, a part of one vector by vector. Defined once, out of line
+// (linear_rows.cpp): linear.cpp's products and the team step's run the same machine code (built
+// with -ffast-math, copies inlined into each caller need not add in one order).
 template <typename T>
 void block_rows(const T* a, int64_t rows, int64_t k, const T* w, T* out, int64_t n, int64_t n0, int64_t cols,
-                const float* bias, int v0 = 0, int v1 = kVectors) {
-  if (v0 == 0 && v1 == kVectors) return vector_rows<kVectors>(a, rows, k, w, out, n, n0, cols, bias);
-  constexpr int64_t step = 16 * (sizeof(T) == 2 ? 2 : 1);  // a vector's elements along a k step (bf16: pairs)
-  for (int v = v0; v < v1 && v * 16 < cols; ++v)
-    vector_rows<1>(a, rows, k, w + v * step, out, n, n0 + v * 16, cols - v * 16, bias);
-}
+                const float* bias, int v0 = 0, int v1 = kVectors);
 
 // One thread's share of a linear, a [rows, k] times a packed weight of n columns into out [rows, n]:
 // the 16-column vectors [V t / T, V (t + 1) / T) of the V = ceil(n / 16) real ones, block by block.

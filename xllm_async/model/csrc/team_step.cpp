@@ -59,15 +59,6 @@ struct Shape {
 };
 
 template <typename T>
-void add_rows(const T* a, const T* b, T* out, int64_t n) {  // bf16(a + b), as the eager add_ (float32: a + b)
-  using L = xllm_elementwise::Lanes<T>;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = xllm_simd::lanes(n - i);
-    L::store(out + i, _mm512_add_ps(L::load(a + i, live), L::load(b + i, live)), live);
-  }
-}
-
-template <typename T>
 at::Tensor run(const at::Tensor& x_in, const float* cos, const float* sin, const std::vector<LayerRefs>& layers,
                const T* final_norm, float final_eps, const Shape& s, const at::Tensor& slabs, const int64_t* slots,
                const int64_t* reads, float scale) {
@@ -144,7 +135,7 @@ at::Tensor run(const at::Tensor& x_in, const float* cos, const float* sin, const
 #pragma omp barrier
       const bool last = index + 1 == layers.size();
       for (int64_t r = r0; r < r1; ++r) {  // (mlp + x, as SmallStep), then the next layer's norm or the final one
-        add_rows(down_p + r * hidden, sum_p + r * hidden, x_p + r * hidden, hidden);
+        add_span(down_p + r * hidden, sum_p + r * hidden, x_p + r * hidden, hidden);
         norm_row(x_p + r * hidden, last ? final_norm : static_cast<const T*>(layers[index + 1].in_norm),
                  (last ? out_p : normed_p) + r * hidden, hidden, last ? final_eps : layers[index + 1].in_eps);
       }
