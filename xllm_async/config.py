@@ -206,9 +206,9 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),
     "prefix_cache": (_choice("on", "off"), "our engine: keep prompts' keys and values after their prefill, and "
                                            "prefill a prompt from the end of its longest cached prefix (blocks of "
-                                           "32 tokens, least recently used evicted); off by default: where "
-                                           "nothing repeats it cost ~8% served when every prompt was kept "
-                                           "(before XLLM_PREFIX_CACHE_ADMIT)"),
+                                           "32 tokens, least recently used evicted); off by default: its store is "
+                                           "XLLM_PREFIX_CACHE_SHARE of XLLM_KV_CACHE_BYTES, taken from the slots' "
+                                           "caches"),
     "prefix_cache_share": (_fraction, "with XLLM_PREFIX_CACHE=on: the share of XLLM_KV_CACHE_BYTES the prefix "
                                       "cache holds, the slots' caches the rest"),
     "prefix_cache_admit": (_choice("second", "all"), "with XLLM_PREFIX_CACHE=on: which prompts' blocks the prefix "
