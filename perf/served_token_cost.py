@@ -105,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         sides = ("served", "offline") if round_ % 2 == 0 else ("offline", "served")
         got = {side: served(args, prompts) if side == "served" else offline(args) for side in sides}
         s = got["served"]
-        rows.append((s["tpot"], got["offline"], s["busy"], s["client"]))
+        rows.append((s["tpot"], got["offline"], s["busy"] / s["wall"], s["client"]))
         threads = "; ".join(f"{'loop' if main_ else 'thread'} {cpu:.2f} ({vol:.1f}/{inv:.1f})"
                             for main_, cpu, vol, inv in s["threads"])
-        print(f"round {round_ + 1}: served {s['tpot']:.2f} (wall {s['wall']:.2f}), slot busy {s['busy']:.2f}, "
+        print(f"round {round_ + 1}: served {s['tpot']:.2f} (wall {s['wall']:.2f}), slot busy {s['busy']:.2f} (prefills "
+              f"included), "
               f"offline step {got['offline']:.2f}, client CPU {s['client']:.2f} | {threads}", flush=True)
     tpot, step, busy, client = (statistics.median(column) for column in zip(*rows))
-    print(f"medians: served {tpot:.2f} = offline step {step:.2f} + {tpot - step:.2f}; of which the slot's own "
-          f"busy time beyond the step {busy - step:.2f} and outside it {tpot - busy:.2f}; client CPU {client:.2f}")
+    print(f"medians: served {tpot:.2f} = offline step {step:.2f} + {tpot - step:.2f}; the slot busy {busy:.0%} of "
+          f"the wall (idle between steps: the rest); client CPU {client:.2f}")
     return 0
 
 

@@ -184,10 +184,7 @@ namespace xllm_decode {
 // step's items between its own threads): its spans in order, then their merge, the operator's
 // arithmetic, so a row's bits are the same either way. partials: the caller's scratch, reused.
 template <typename T>
-void attend_item(const Slabs& s, int64_t row, int64_t kv_head, std::vector<float>& partials) {
-  const Step<T> a{static_cast<const T*>(s.q), static_cast<const T*>(s.keys), static_cast<const T*>(s.values),
-                  static_cast<T*>(s.out), s.lengths, s.q_row, s.q_head, s.k_row, s.k_head, s.v_row, s.v_head,
-                  s.heads, s.kv_heads, s.dim, s.scale};
+void attend_item(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<float>& partials) {
   const int64_t group = a.heads / a.kv_heads, n = a.lengths[row];
   const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
   if (n <= kChunk) {
@@ -201,8 +198,8 @@ void attend_item(const Slabs& s, int64_t row, int64_t kv_head, std::vector<float
   merge(a, row, kv_head, partials.data(), spans);
 }
 
-template void attend_item<bf16>(const Slabs&, int64_t, int64_t, std::vector<float>&);
-template void attend_item<float>(const Slabs&, int64_t, int64_t, std::vector<float>&);
+template void attend_item<bf16>(const Step<bf16>&, int64_t, int64_t, std::vector<float>&);
+template void attend_item<float>(const Step<float>&, int64_t, int64_t, std::vector<float>&);
 
 }  // namespace xllm_decode
 

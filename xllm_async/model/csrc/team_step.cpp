@@ -39,6 +39,7 @@ TORCH_LIBRARY_FRAGMENT(xllm, m) {
 #include <vector>
 
 #include "decode_attend.h"
+#include "decode_keys.h"
 #include "elementwise.h"
 #include "linear_rows.h"
 
@@ -97,8 +98,8 @@ at::Tensor run(const at::Tensor& x_in, const float* cos, const float* sin, const
 #pragma omp barrier
       T* keys = slab_base + index * slabs.stride(0);
       T* values = keys + slabs.stride(1);
-      const xllm_decode::Slabs a{q_p, keys, values, attn_p, reads, s.q_size, dim, slabs.stride(2), slabs.stride(3),
-                                 slabs.stride(2), slabs.stride(3), s.heads, kv_heads, dim, scale};
+      const xllm_decode::Step<T> a{q_p, keys, values, attn_p, reads, s.q_size, dim, slabs.stride(2), slabs.stride(3),
+                                   slabs.stride(2), slabs.stride(3), s.heads, kv_heads, dim, scale};
       for (int64_t item = t; item < rows * kv_heads; item += nt) {  // (row, key head), interleaved
         const int64_t row = item / kv_heads, head = item % kv_heads;
         const float *cr = cos + row * dim, *sr = sin + row * dim;
