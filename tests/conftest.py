@@ -224,14 +224,21 @@ CACHED_CONFIGS = {"fixed_steps-N2": ("fixed_steps", "2"), "continuous-N1": ("con
 
 @pytest.fixture(scope="module")
 def cached_servers(tiny_model_dir):
-    """Both of cached_server's servers, started together (start_together)."""
+    """Both of cached_server's servers and cold_server's, started together (start_together)."""
     started = start_together(*((["--model", tiny_model_dir, "--served-model-name", "tiny", "--scheduler", scheduler,
                                   "--concurrent-execute-stream-num", slots],
-                                 {"XLLM_PREFIX_CACHE": "on", "XLLM_KV_CACHE_BYTES": "64M"})
-                                for scheduler, slots in CACHED_CONFIGS.values()))
-    yield dict(zip(CACHED_CONFIGS, started))
+                                 {"XLLM_PREFIX_CACHE": cache, "XLLM_KV_CACHE_BYTES": "64M"})
+                                for scheduler, slots, cache in [*((*c, "on") for c in CACHED_CONFIGS.values()),
+                                                                 ("fixed_steps", "2", "off")]))
+    yield dict(zip([*CACHED_CONFIGS, "cold"], started))
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def cold_server(cached_servers):
+    """A server with the prefix cache off (the default is on): what a cached answer must equal."""
+    return cached_servers["cold"]
 
 
 @pytest.fixture(scope="module", params=list(CACHED_CONFIGS))

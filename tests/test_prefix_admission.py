@@ -305,34 +305,34 @@ def cached_tokens(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_served_one_token_requests_find_their_prefix_and_answer_as_cold(cached_server, server):
+def test_served_one_token_requests_find_their_prefix_and_answer_as_cold(cached_server, cold_server):
     prompt = random_prompts(41, [150])[0]
-    cold = ask(server, prompt, max_tokens=1, **GREEDY)
+    cold = ask(cold_server, prompt, max_tokens=1, **GREEDY)
     first, second, third = (ask(cached_server, prompt, max_tokens=1, **GREEDY) for _ in range(3))
     assert (cached_tokens(first), cached_tokens(second), cached_tokens(third)) == (0, 0, 4 * B)  # kept on its second
     assert first["choices"] == second["choices"] == third["choices"] == cold["choices"]
 
 
-def test_served_single_round_beams_find_their_prefix_and_answer_as_cold(cached_server, server, request):
+def test_served_single_round_beams_find_their_prefix_and_answer_as_cold(cached_server, cold_server, request):
     if "continuous" in request.node.callspec.id:
         pytest.skip("the continuous scheduler runs no beam searches")
     history = random_prompts(42, [150])[0]
     body = {"beam_width": 4, "num_return_sequences": 4, "max_tokens": 1}
-    cold = ask(server, history + [9], **body)
+    cold = ask(cold_server, history + [9], **body)
     ask(cached_server, history, **body)
     ask(cached_server, history, **body)  # (its blocks kept on their second sight)
     grown = ask(cached_server, history + [9], **body)
     assert cached_tokens(grown) == 4 * B and grown["choices"] == cold["choices"]
 
 
-def test_served_scored_prompts_compute_whole_score_as_cold_and_store_their_blocks(cached_server, server):
+def test_served_scored_prompts_compute_whole_score_as_cold_and_store_their_blocks(cached_server, cold_server):
     prompt = random_prompts(43, [150])[0]
     body = {"max_tokens": 2, "echo": True, **GREEDY}
-    cold = ask(server, prompt, **body)
+    cold = ask(cold_server, prompt, **body)
     first, again = (ask(cached_server, prompt, **body) for _ in range(2))
     assert (cached_tokens(first), cached_tokens(again)) == (0, 0)  # every position's logits computed
     assert first["choices"] == again["choices"] == cold["choices"]
-    assert cached_tokens(ask(cached_server, prompt + [5], max_tokens=2, **GREEDY)) == 4 * B  # stored by the second
+    assert cached_tokens(ask(cached_server, prompt + [5], max_tokens=2, **GREEDY)) == 4 * B  # stored by the first
 
 
 @pytest.fixture(scope="module")

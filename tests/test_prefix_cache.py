@@ -65,7 +65,7 @@ def fresh(runner, admit: str | None = None) -> None:
     """An empty store of the same size, keeping blocks as the old one did (or as `admit` says)."""
     store = runner.prefix_store
     admit = admit or ("second" if store.seen is not None else "all")
-    runner.prefix_store = PrefixStore(store.layout, store.capacity, store.device, admit)
+    runner.prefix_store = PrefixStore(store.layout, store.size, store.device, admit)
 
 
 @pytest.mark.parametrize("length", [150, 5 * B], ids=["a-partial-last-block", "whole-blocks"])
@@ -279,32 +279,33 @@ def test_bfloat16_gives_the_same_tokens(tiny_model_dir):
 
 # --- through the real server ---
 
-def complete(server, prompt: list[int], **extra) -> dict:
-    status, body, _ = post(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+def complete(cold_server, prompt: list[int], **extra) -> dict:
+    status, body, _ = post(cold_server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
                                                             "ignore_eos": True, "logprobs": 2, **extra})
     assert status == 200, body
     return body
 
 
-def test_served_answers_report_cached_tokens_and_equal_the_cold_ones(cached_server, server):
+def test_served_answers_report_cached_tokens_and_equal_the_cold_ones(cached_server, cold_server):
     prompt = random_prompts(11, [150])[0]
-    cold = complete(server, prompt)  # a server without the cache
+    cold = complete(cold_server, prompt)  # a server without the cache
     assert "prompt_tokens_details" not in cold["usage"]
     queries, hits = (metric(cached_server, f"xllm:prefix_cache_{n}", f"xllm:prefix_cache_{n}_total")
                      for n in ("queries", "hits"))
-    # Kept on its second sight (XLLM_PREFIX_CACHE_ADMIT=second), found on its third.
+    # Six tokens: its keys go into a slot's cache anyway, so kept on first sight and found on its second.
     first, second, third = (complete(cached_server, prompt) for _ in range(3))
-    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in (first, second, third)] == [0, 0, 4 * B]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in (first, second, third)] == [0, 4 * B, 4 * B]
     for answer in (first, second, third):
         assert answer["choices"][0]["text"] == cold["choices"][0]["text"]
         assert answer["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
     assert metric(cached_server, "xllm:prefix_cache_queries", "xllm:prefix_cache_queries_total") == queries + 450
-    assert metric(cached_server, "xllm:prefix_cache_hits", "xllm:prefix_cache_hits_total") == hits + 4 * B
-    assert metric(cached_server, "xllm:prefix_cache_bytes") == 32 << 20  # half of XLLM_KV_CACHE_BYTES
+    assert metric(cached_server, "xllm:prefix_cache_hits", "xllm:prefix_cache_hits_total") == hits + 8 * B
+    # What of XLLM_KV_CACHE_BYTES the slots' caches have not reached (model/kv_budget.py).
+    assert 0 < metric(cached_server, "xllm:prefix_cache_bytes") <= 64 << 20
     assert 0 < metric(cached_server, "xllm:prefix_cache_usage_ratio") < 1
 
 
-def test_concurrent_requests_on_a_shared_prefix_answer_as_cold(cached_server, server):
+def test_concurrent_requests_on_a_shared_prefix_answer_as_cold(cached_server, cold_server):
     from concurrent.futures import ThreadPoolExecutor
 
     system = random_prompts(12, [100])[0]
@@ -312,16 +313,15 @@ def test_concurrent_requests_on_a_shared_prefix_answer_as_cold(cached_server, se
     with ThreadPoolExecutor(6) as pool:
         warm = [answer for _ in range(3) for answer in pool.map(lambda p: complete(cached_server, p), prompts)]
     for prompt, answer in zip(prompts * 3, warm):
-        cold = complete(server, prompt)
+        cold = complete(cold_server, prompt)
         assert answer["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
-    # The second wave (each prompt's second sight) stored every prompt's own full blocks too.
+    # By the third wave every prompt's own full blocks are stored too.
     assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in warm[12:]] == [
         (len(p) - 1) // B * B for p in prompts]
 
 
-def test_an_aborted_requests_prompt_serves_the_next_request(cached_server, server):
+def test_an_aborted_requests_prompt_serves_the_next_request(cached_server, cold_server):
     prompt = random_prompts(14, [140])[0]
-    complete(cached_server, prompt)  # seen once: the aborted request's prefill (its second sight) keeps it
     aborts_before = aborts(cached_server)
     with cached_server.hold("decode"):  # its prefill (and the store) done, the decode waits
         sock = open_stream(cached_server.port, {"prompt": prompt, "max_tokens": 50, "ignore_eos": True}, headers={})
@@ -332,17 +332,19 @@ def test_an_aborted_requests_prompt_serves_the_next_request(cached_server, serve
         wait_until(lambda: aborts(cached_server) == aborts_before + 1, what="the abort")
     answer = complete(cached_server, prompt + [5, 6, 7])
     assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 4 * B}
-    assert answer["choices"][0]["logprobs"] == complete(server, prompt + [5, 6, 7])["choices"][0]["logprobs"]
+    assert answer["choices"][0]["logprobs"] == complete(cold_server, prompt + [5, 6, 7])["choices"][0]["logprobs"]
 
 
-def test_served_beam_searches_report_cached_tokens_and_equal_the_cold_ones(cached_server, server, request):
+def test_served_beam_searches_report_cached_tokens_and_equal_the_cold_ones(cached_server, cold_server, request):
     if "continuous" in request.node.callspec.id:
         pytest.skip("the continuous scheduler runs no beam searches")
     history = random_prompts(16, [200])[0]
     body = {"beam_width": 4, "num_return_sequences": 4, "max_tokens": 3}
-    cold = post(server.port, "/v1/completions", {"prompt": history + [9], **body})[1]
+    cold = post(cold_server.port, "/v1/completions", {"prompt": history + [9], **body})[1]
     first, second = (post(cached_server.port, "/v1/completions", {"prompt": history, **body})[1] for _ in range(2))
     grown = post(cached_server.port, "/v1/completions", {"prompt": history + [9], **body})[1]
-    assert first["usage"]["prompt_tokens_details"] == second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    # Three rounds: the prompt's keys go into a slot's cache anyway, so kept on first sight.
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 6 * B}
     assert grown["usage"]["prompt_tokens_details"] == {"cached_tokens": 6 * B}
     assert grown["choices"] == cold["choices"]

@@ -1,6 +1,7 @@
 """The prefix cache keeps a block on its second sight (issue 48, model/seen_blocks.py,
 XLLM_PREFIX_CACHE_ADMIT=second, the default): a prompt seen for the first time takes no block of the
-store and writes nothing into it, the second time it is kept, the third time it is found; a batch
+store and writes nothing into it, the second time it is kept, the third time it is found, unless its
+keys go into a slot's cache anyway (more tokens than one, beam rounds): then it is kept at once; a batch
 whose own prompts share a prefix still computes it once; the memory of seen blocks never outgrows
 its cap; every answer is the cold one, bit for bit in float32."""
 
@@ -76,8 +77,10 @@ def test_a_prompt_is_kept_on_its_second_sight_and_found_on_its_third_answering_a
         got, cached = prefill()
         seen.append((cached, store.used))
         assert torch.equal(got, expected)
-    # First sight: no block of the store taken, nothing written; second: its 4 blocks kept; third: found.
-    assert seen == [([0], 0), ([0], 4), ([4 * B], 4)]
+    if path == "one-token":  # first sight: no block taken, nothing written; second: kept; third: found
+        assert seen == [([0], 0), ([0], 4), ([4 * B], 4)]
+    else:  # its keys go into a slab anyway: kept on first sight (PrefixStore.admitted's slab_anyway)
+        assert seen == [([0], 4), ([4 * B], 4), ([4 * B], 4)]
     assert store.pinned == 0
 
 
@@ -98,13 +101,14 @@ def test_a_batch_sharing_a_prefix_on_its_first_sight_computes_it_once_and_keeps_
     fresh(runner)
     system = random_prompts(63, [4 * B + 3])[0]
     prompts = [system + q for q in random_prompts(64, [70, 33, 90])]
-    expected, _ = run(runner, prompts, cold=True)
-    got, cached = run(runner, prompts)
-    assert cached == [0, 4 * B, 4 * B] and torch.equal(got, expected)
-    assert runner.prefix_store.used == 4  # the shared blocks; each prompt's own ones wait for their second sight
-    with torch.inference_mode():
-        one_token = runner.prefill(prompts)  # (one token each: split in turns the same way)
-    assert one_token.cached == [4 * B] * 3 and runner.prefix_store.used == 4 + 2 + 1 + 2
+    with torch.inference_mode(), store_aside(runner):
+        expected = runner.prefill(prompts).logits
+    with torch.inference_mode():  # (one token each: the store's write is their only one)
+        first = runner.prefill(prompts)
+        assert first.cached == [0, 4 * B, 4 * B] and torch.equal(first.logits, expected)
+        assert runner.prefix_store.used == 4  # the shared blocks; each prompt's own ones wait for their second sight
+        second = runner.prefill(prompts)
+    assert second.cached == [4 * B] * 3 and runner.prefix_store.used == 4 + 2 + 1 + 2
 
 
 def test_a_store_keeps_and_evicts_within_its_blocks_and_remembers_as_many(runner):
@@ -113,12 +117,18 @@ def test_a_store_keeps_and_evicts_within_its_blocks_and_remembers_as_many(runner
     try:
         prompts = random_prompts(65, [100, 130, 70, 160, 100])
         for prompt in prompts + prompts:
-            run(runner, [prompt])
+            one_token(runner, prompt)
             assert len(store.seen) <= 6
         # Seen again only after more blocks than the store holds: forgotten, never kept.
         assert store.used == 0 and store.pinned == 0
         last = prompts[-1]
-        assert run(runner, [last])[1] == [0] and store.used == 3  # seen just before: kept
-        assert run(runner, [last])[1] == [3 * B]
+        assert one_token(runner, last) == [0] and store.used == 3  # seen just before: kept
+        assert one_token(runner, last) == [3 * B]
     finally:
         runner.prefix_store = kept
+
+
+def one_token(runner, prompt: list[int]) -> list[int]:
+    """A one-token prefill of the prompt (no cache kept: the store's write is its only one); its cached tokens."""
+    with torch.inference_mode():
+        return runner.prefill([prompt]).cached

@@ -55,8 +55,8 @@ class Settings:
     log_level: str = "info"
     access_log: str = "plain"
     metrics: str = "on"
-    prefix_cache: str = "off"
-    prefix_cache_share: float = 0.5
+    prefix_cache: str = "on"
+    prefix_cache_share: float | None = None
     prefix_cache_admit: str = "second"
 
 
@@ -206,15 +206,20 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
     "metrics": (_choice("on", "off"), "Prometheus metrics at /metrics (off only to measure what they cost)"),
     "prefix_cache": (_choice("on", "off"), "our engine: keep prompts' keys and values after their prefill, and "
                                            "prefill a prompt from the end of its longest cached prefix (blocks of "
-                                           "32 tokens, least recently used evicted); off by default: its store is "
-                                           "XLLM_PREFIX_CACHE_SHARE of XLLM_KV_CACHE_BYTES, taken from the slots' "
-                                           "caches"),
-    "prefix_cache_share": (_fraction, "with XLLM_PREFIX_CACHE=on: the share of XLLM_KV_CACHE_BYTES the prefix "
-                                      "cache holds, the slots' caches the rest"),
+                                           "32 tokens, least recently used evicted); its store lives in the "
+                                           "part of XLLM_KV_CACHE_BYTES that running requests do not use "
+                                           "(XLLM_PREFIX_CACHE_SHARE)"),
+    "prefix_cache_share": (_optional(_fraction), "with XLLM_PREFIX_CACHE=on: unset, on a CPU the prefix cache "
+                                                 "holds whatever of XLLM_KV_CACHE_BYTES the slots' caches have not "
+                                                 "reached and gives it back as they reach further (each slot's "
+                                                 "cache as large as with the prefix cache off), on an accelerator "
+                                                 "half of it; a fraction: that share, taken from the slots' caches"),
     "prefix_cache_admit": (_choice("second", "all"), "with XLLM_PREFIX_CACHE=on: which prompts' blocks the prefix "
                                                      "cache keeps: second, a block seen before (by an earlier prompt, "
-                                                     "or another of its batch), so that prompts that never repeat "
-                                                     "write nothing into it; all, every prompt's"),
+                                                     "or another of its batch), or any of a prompt whose keys go into "
+                                                     "a slot's cache anyway (more tokens out than one, beam rounds), "
+                                                     "so that one-token prompts that never repeat write nothing into "
+                                                     "it; all, every prompt's"),
 }
 
 

@@ -128,10 +128,11 @@ class Service:
                                    resident_memory_bytes))
         self.metrics.add(ProcessFigures())
         store = self.runner.prefix_store  # (the gauges read 0 where the cache is off, as the dashboard expects them)
-        self.metrics.add(Gauge("prefix_cache_bytes", "Bytes of XLLM_KV_CACHE_BYTES the prefix cache holds.",
+        self.metrics.add(Gauge("prefix_cache_bytes", "Bytes of XLLM_KV_CACHE_BYTES the prefix cache may hold now "
+                                                     "(what the slots' caches have not reached, or its share).",
                                lambda: store.capacity * store.block_bytes if store else 0))
         self.metrics.add(Gauge("prefix_cache_usage_ratio", "Share of the prefix cache's blocks in use.",
-                               lambda: store.used / store.capacity if store else 0.0))
+                               lambda: store.used / store.capacity if store and store.capacity else 0.0))
         self.item_loads = Counter("item_table_loads_total", "Item table loads (start-up and SIGHUP), by result.",
                                   ("result",))
         self.metrics.add(self.item_loads)

@@ -13,7 +13,8 @@ default model (SmolLM2-135M); `beams` one beam search at a time of each `--beam-
 256) on the 8-layer random Qwen3, 1,000-token prompts, 3 rounds, every beam returned: latency
 and the extra resident memory of the server's process group (perf/beams.py measures both);
 `shared_prefix` SGLang's generated-shared-prefix on SmolLM2 at c8 (16 groups of 16 prompts, a
-1,024-token system prompt and a 64-token question each, 16 out; ours with `--prefix-cache on`).
+1,024-token system prompt and a 64-token question each, 16 out; ours with its prefix cache on, the
+default, and `xllm_nocache` with it off).
 
 1. The peers run in their own virtual environment, perf/peers/.venv, made once from the
    project's Python: the on-disk CPU torch first, then requirements.txt, then the project
@@ -159,6 +160,9 @@ def servers_for(args: argparse.Namespace) -> list[Server]:
     every = {
         OURS: Server(OURS, OUR_PYTHON, [*ours, "--scheduler", "fixed_steps",
                                         "--concurrent-execute-stream-num", str(args.ours_streams)]),
+        "xllm_nocache": Server("xllm_nocache", OUR_PYTHON, [*ours, "--scheduler", "fixed_steps",
+                                                            "--concurrent-execute-stream-num", str(args.ours_streams),
+                                                            "--prefix-cache", "off"]),
         "xllm_continuous": Server("xllm_continuous", OUR_PYTHON, [*ours, "--scheduler", "continuous",
                                                                   "--concurrent-execute-stream-num", "1"]),
         # ours on quantized weights (issue 39): the model's GGUF blocks as shipped, or Q8_0 made at load
@@ -323,8 +327,6 @@ def model_folder(workload: Workload) -> str:
 
 def extra_args(server: Server, workload: Workload, args: argparse.Namespace) -> list[str]:
     """Our beam limits for the beams workload (vLLM's `--max-logprobs 512` is always set)."""
-    if workload.name == "shared_prefix" and server.python == OUR_PYTHON:
-        return ["--prefix-cache", "on"]
     if workload.name == "beams" and server.python == OUR_PYTHON:
         widest = str(max(args.beam_widths))
         return ["--max-beam-width", widest, "--max-num-return-sequences", widest,

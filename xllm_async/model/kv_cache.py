@@ -37,26 +37,38 @@ class KvLayout:
 
 class KvArena:
     """The cache memory of one execution slot: `tokens` token slots, allocated on
-    first use by that slot's thread and reused by every batch it runs."""
+    first use by that slot's thread and reused by every batch it runs.
 
-    __slots__ = ("layout", "tokens", "device", "allocate", "_buffer")
+    On a CPU the buffer's pages are touched only as batches use them: `reached` is how far any
+    view went, and on_reach(arena, tokens) hears of each new reach before the view is written
+    (KvBudget: the prefix store gives those bytes back)."""
+
+    __slots__ = ("layout", "tokens", "device", "allocate", "on_reach", "reached", "_buffer", "__weakref__")
 
     def __init__(self, layout: KvLayout, tokens: int, device: torch.device,
-                 allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> None:
+                 allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+                 on_reach: Callable[[KvArena, int], None] | None = None) -> None:
         self.layout = layout
         self.tokens = tokens
         self.device = device
         # allocate(elements, dtype): the 1-d buffer (on CPU, huge pages: runtime/host_memory.host_tensor);
         # None: torch.empty on the device
         self.allocate = allocate
+        self.on_reach = on_reach
+        self.reached = 0  # tokens from the arena's start that some view covered
         self._buffer: torch.Tensor | None = None
 
     def view(self, row_capacity: int, capacity: int, start: int = 0) -> torch.Tensor:
         """[layers, 2, row_capacity, kv_heads, capacity, head_dim] over the arena from token `start`
         (a beam batch's own tokens lie after its prompts': BeamState)."""
-        if start + row_capacity * capacity > self.tokens:
+        end = start + row_capacity * capacity
+        if end > self.tokens:
             raise MemoryError(f"a cache of {row_capacity} x {capacity} tokens from token {start} exceeds "
                               f"the slot's {self.tokens}")
+        if end > self.reached:
+            self.reached = end
+            if self.on_reach is not None:
+                self.on_reach(self, end)
         if self._buffer is None:
             lay = self.layout
             elements = self.tokens * lay.token_elements

@@ -11,7 +11,8 @@ block's token ids and its parent's chain key: a wrong hit would need two differe
 
 One store serves every execution slot (their threads look up and store concurrently): a pool of
 blocks [layers, 2, blocks, BLOCK_TOKENS, kv_heads, head_dim] out of XLLM_KV_CACHE_BYTES,
-evicted least recently used. A batch's cache stays a rectangle of per-sequence slabs
+evicted least recently used. On a CPU it may use whatever of the budget the slots' arenas have
+not reached, and shrinks when they reach further (fit(): model/kv_budget.py). A batch's cache stays a rectangle of per-sequence slabs
 (kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill. A
 prompt's new full blocks are kept on their second sight (admitted(): seen_blocks.py; a prompt that
 never repeats writes nothing), taken before its prefill (reserve) and written by every layer
@@ -28,21 +29,14 @@ most its first (length - 1) // BLOCK_TOKENS blocks come from the store.
 
 from __future__ import annotations
 
-import math
-import mmap
 import threading
 from collections import OrderedDict
 
 import torch
 
+from .block_pool import BLOCK_TOKENS, BlockPool, BlockWrites, runs_of
 from .kv_cache import KvLayout
 from .seen_blocks import SeenBlocks
-
-# Tokens a block: a multiple of 16, so that a cached prefix ends on a whole vector of keys in
-# our attention kernel (csrc/varlen_attention.cpp); small, so that a history that grew by a few
-# tokens finds all but its last few tokens.
-BLOCK_TOKENS = 32
-
 
 class PrefixHit:
     """One prompt's lookup: the chain key of each of its full blocks, and the store's blocks that
@@ -76,17 +70,19 @@ class PrefixStore:
 
     def __init__(self, layout: KvLayout, blocks: int, device: torch.device, admit: str = "second") -> None:
         self.layout = layout
-        self.capacity = blocks
+        self.size = blocks  # the pool's blocks
+        self.capacity = blocks  # those it may hold now (fit)
         self.device = device
         self.seen = SeenBlocks(blocks) if admit == "second" else None  # (admit "all": every block is kept)
-        self._pool: torch.Tensor | None = None  # allocated by the first store
-        self._pool_memory: mmap.mmap | None = None  # what a CPU pool lies in (_allocate)
+        self._pool: BlockPool | None = None  # allocated by the first store
         self._lock = threading.Lock()
         self._index: dict[int, int] = {}  # chain key -> block
         self._recency: OrderedDict[int, None] = OrderedDict()  # indexed blocks, least recently used first
         self._pins = [0] * blocks
         self._identity: list[tuple | None] = [None] * blocks  # (chain key, parent key, token ids) of each block
-        self._free = list(range(blocks - 1, -1, -1))
+        self._free: list[int] = []  # blocks below capacity that hold nothing
+        self._fresh = 0  # blocks from here on were never taken (or were given back: fit)
+        self._touched = 0  # blocks below this may hold pages (_trim gives back those from capacity up)
 
     @property
     def block_bytes(self) -> int:
@@ -120,12 +116,12 @@ class PrefixStore:
 
     def load(self, hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
         """Copy the hit's blocks into the first tokens of cache row `row` (slabs: SlabCache.slabs)."""
-        for i, block, count in _runs(list(enumerate(hit.blocks))):
+        for i, block, count in runs_of(list(enumerate(hit.blocks))):
             slabs[:, :, row, :, i * BLOCK_TOKENS:(i + count) * BLOCK_TOKENS] = self._blocks(block, count)
 
     def _blocks(self, block: int, count: int) -> torch.Tensor:
         """Blocks [block, block + count) of the pool as [layers, 2, kv_heads, tokens, head_dim] (a view)."""
-        return self._pool[:, :, block:block + count].flatten(2, 3).transpose(2, 3)
+        return self._pool.blocks[:, :, block:block + count].flatten(2, 3).transpose(2, 3)
 
     def keep(self, prompt: list[int], hit: PrefixHit, slabs: torch.Tensor, row: int) -> None:
         """After the prompt's prefill wrote its keys into cache row `row`: copy its full blocks that
@@ -139,9 +135,17 @@ class PrefixStore:
             raise
         self.commit(writes)
 
-    def admitted(self, hits: list[PrefixHit]) -> set[int] | None:
-        """A batch's chain keys its prefill may keep (reserve's `kept`; None: all), the batch seen."""
-        return self.seen.admit([hit.keys for hit in hits]) if self.seen is not None else None
+    def admitted(self, hits: list[PrefixHit], slab_anyway: bool = False) -> set[int] | None:
+        """A batch's chain keys its prefill may keep (reserve's `kept`; None: all), the batch seen.
+        slab_anyway: its prompts' keys go into a slot's cache whatever the store does (a beam search
+        of several rounds, a generation of more tokens than one): then every block is kept on first
+        sight. Second sight is for prompts whose only write is the store's, where a prompt that never
+        repeats would pay a whole write for nothing; beside a slab's, the store's copy costs ~1% of
+        the prefill, and a user's growing history is then found from its second request on."""
+        if self.seen is None:
+            return None
+        kept = self.seen.admit([hit.keys for hit in hits])
+        return None if slab_anyway else kept
 
     def reserve(self, prompts: list[list[int]], hits: list[PrefixHit], skips: list[int],
                 kept: set[int] | None = None) -> BlockWrites:
@@ -152,7 +156,7 @@ class PrefixStore:
         abandon() them if it fails."""
         with self._lock:
             if self._pool is None and self.capacity:
-                self._allocate()
+                self._pool = BlockPool(self.layout, self.size, self.device)
             wanted, start, taking = [], 0, self.capacity > 0
             for prompt, hit, skip in zip(prompts, hits, skips):
                 for i in range(len(hit.blocks), len(hit.keys) if taking else 0):
@@ -171,29 +175,39 @@ class PrefixStore:
         # The blocks in order of the rows they hold: as few runs to write as can be.
         blocks = sorted(entry[-1] for entry in wanted)
         wanted = [entry[:-1] + (block,) for entry, block in zip(wanted, blocks)]
-        return BlockWrites(self._pool, wanted, hits)
+        return BlockWrites(self._pool.blocks if self._pool is not None else None, wanted, hits)
 
-    def _allocate(self) -> None:
-        """The pool. On a CPU, in an anonymous block advised for transparent huge pages: until the
-        pool has filled once, every miss writes its blocks into pages never touched, and the
-        kernel's faulting and zeroing of them cost more than the write itself (4 KiB pages: 2.5x
-        a touched page's write for one-token misses of 320 tokens, perf/prefix_miss.py);
-        2 MiB pages, a quarter less. Not touched ahead: like the slots' arenas, it takes memory
-        as it is used."""
-        lay = self.layout
-        shape = (lay.layers, 2, self.capacity, BLOCK_TOKENS, lay.kv_heads, lay.head_dim)
-        if self.device.type != "cpu":
-            self._pool = torch.empty(shape, dtype=lay.dtype, device=self.device)
+    def fit(self, blocks: int) -> None:
+        """Hold at most this many blocks from now on (KvBudget: what the slots' arenas leave). The
+        blocks from there up are forgotten and their pages given back; one pinned (a prefill copies
+        or writes it) keeps its pages until it is unpinned."""
+        blocks = min(blocks, self.size)
+        with self._lock:
+            grows = blocks >= self.capacity
+            self.capacity = blocks
+            if grows:
+                return
+            for block in [b for b in self._recency if b >= blocks]:
+                del self._recency[block]
+                del self._index[self._identity[block][0]]
+                self._identity[block] = None
+            self._free = [b for b in self._free if b < blocks]
+            self._fresh = min(self._fresh, blocks)
+            self._trim()
+
+    def _trim(self) -> None:
+        """(Under the lock.) The pages of the blocks from capacity up back to the system, but for
+        those up to the highest one still pinned."""
+        if self._touched <= self.capacity:
             return
-        size, huge = math.prod(shape) * lay.dtype.itemsize, 2 << 20
-        self._pool_memory = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            self._pool_memory.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):  # not Linux, or no transparent huge pages: 4 KiB pages
-            pass
-        raw = torch.frombuffer(self._pool_memory, dtype=torch.uint8)
-        start = -raw.data_ptr() % huge
-        self._pool = raw[start:start + size].view(lay.dtype).view(shape)
+        low = self.capacity
+        for block in range(self._touched - 1, self.capacity - 1, -1):
+            if self._pins[block]:
+                low = block + 1
+                break
+        if low < self._touched and self._pool is not None:
+            self._pool.give_back(low, self._touched)
+        self._touched = low
 
     def commit(self, writes: BlockWrites) -> None:
         """The forward wrote the reserved blocks: index them (a block another slot, or another prompt
@@ -204,6 +218,8 @@ class PrefixStore:
         with self._lock:
             for _, parent, key, tokens, block in writes.blocks:
                 self._pins[block] -= 1
+                if block >= self.capacity:  # (the store shrank while the forward wrote it)
+                    continue
                 if key in self._index or key in written:
                     self._free.append(block)
                 else:
@@ -217,13 +233,16 @@ class PrefixStore:
                         self._recency[block] = None
                     elif (block := self._index.get(key)) is not None:
                         self._recency.move_to_end(block)
+            self._trim()
 
     def abandon(self, writes: BlockWrites) -> None:
         """The prefill failed: its reserved blocks go back unindexed."""
         with self._lock:
             for *_, block in writes.blocks:
                 self._pins[block] -= 1
-                self._free.append(block)
+                if block < self.capacity:
+                    self._free.append(block)
+            self._trim()
 
     def release(self, hit: PrefixHit) -> None:
         """The hit's blocks were copied: they may be evicted again."""
@@ -234,6 +253,7 @@ class PrefixStore:
             with self._lock:
                 for block in blocks:
                     self._pins[block] += by
+                self._trim()
 
     @property
     def pinned(self) -> int:
@@ -241,9 +261,18 @@ class PrefixStore:
         return sum(1 for pins in self._pins if pins)
 
     def _take(self) -> int | None:
-        """A block to write (under the lock): a free one, else the least recently used unpinned one."""
+        """A block to write (under the lock): a free one, else a fresh one, else the least recently
+        used unpinned one."""
         if self._free:
             return self._free.pop()
+        while self._fresh < self.capacity:
+            block = self._fresh
+            self._fresh += 1
+            # (A block above an earlier capacity that a prefill still pins, the store grown back past
+            # it: skipped, for good, rather than written under that prefill.)
+            if not self._pins[block]:
+                self._touched = max(self._touched, block + 1)
+                return block
         for block in self._recency:
             if not self._pins[block]:
                 del self._recency[block]
@@ -278,39 +307,3 @@ class PrefixStore:
     def release_all(self, hits: list[PrefixHit]) -> None:
         for hit in hits:
             self.release(hit)
-
-
-class BlockWrites:
-    """A prefill's new full blocks, taken in the store (PrefixStore.reserve): each layer's keys and
-    values go straight from the forward's packed rows into them, a copy a run of blocks that are
-    consecutive both in the rows and in the store (one for a batch of whole-block prompts)."""
-
-    __slots__ = ("pool", "blocks", "hits", "runs")
-
-    def __init__(self, pool: torch.Tensor, blocks: list[tuple], hits: list[PrefixHit]) -> None:
-        self.pool = pool
-        self.blocks = blocks  # (first packed row, parent key, chain key, token ids, store block) of each
-        self.hits = hits
-        self.runs = _runs([(row, block) for row, *_, block in blocks], BLOCK_TOKENS)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """This layer's keys and values of the packed rows (k, v [rows, kv_heads, dim]) into the blocks."""
-        if not self.runs:
-            return
-        keys, values = self.pool[layer, 0].flatten(0, 1), self.pool[layer, 1].flatten(0, 1)  # [tokens, kv_heads, dim]
-        for row, block, count in self.runs:
-            rows, start = count * BLOCK_TOKENS, block * BLOCK_TOKENS
-            keys[start:start + rows] = k[row:row + rows]
-            values[start:start + rows] = v[row:row + rows]
-
-
-def _runs(pairs: list[tuple[int, int]], step: int = 1) -> list[tuple[int, int, int]]:
-    """(where a block of the prompt is, block of the store) pairs -> runs consecutive in both (the
-    first `step` apart): (the first's place, first of the store, count)."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in pairs:
-        if runs and runs[-1][0] + runs[-1][2] * step == i and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs

@@ -45,10 +45,11 @@ class CachedPrefill:
         forward writes them into the store (prefix_cache.BlockWrites)."""
         return any(hit.blocks for hit in hits) and len(lengths) * max(lengths) <= self.kv_tokens
 
-    def _admitted(self, hits: list[PrefixHit]) -> set[int] | None:
+    def _admitted(self, hits: list[PrefixHit], slab_anyway: bool) -> set[int] | None:
         """The chain keys a batch's prefill may keep in the store (PrefixStore.admitted: those seen
-        before, or shared by two of its prompts; None: all), asked once a batch, before any turn."""
-        return self.prefix_store.admitted(hits) if hits else None
+        before, or shared by two of its prompts, or all where its prompts' keys go into a slab
+        anyway; None: all), asked once a batch, before any turn."""
+        return self.prefix_store.admitted(hits, slab_anyway) if hits else None
 
     def _turns(self, prompts: list[list[int]], cache: SlabCache | None, first: int, whole: list[bool] | None,
                between_layers: Callable[[], None] | None, hits: list[PrefixHit], kept: set[int] | None,

@@ -25,6 +25,7 @@ from ..model.cpu_linear import WARM_FROM, pack_linears, packed_weights, warm_one
 from ..model.forward_context import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
+from ..model.kv_budget import KvBudget
 from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
 from ..model.scoring import score_prompt
 from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, linear_name, on_host
@@ -36,6 +37,10 @@ from .host_memory import host_tensor, one_intra_op_thread, pack_linear_weights, 
 from .weights import load_weights
 
 log = logging.getLogger("xllm_async.model")
+
+# The prefix store's share of the key/value budget on an accelerator, where memory is allocated
+# whole and cannot go back and forth between the store and the slots (set_kv_cache).
+ACCELERATOR_PREFIX_SHARE = 0.5
 
 class ModelRunner(CachedPrefill, Runner):
     """Our own model code, loaded once, shared read-only by every execution thread;
@@ -82,6 +87,7 @@ class ModelRunner(CachedPrefill, Runner):
         self.kv_layout = KvLayout(shape.layers, shape.kv_heads, shape.head_dim, self.dtype)
         self.kv_tokens = 0  # per slot, set by set_kv_cache()
         self.prefix_store: PrefixStore | None = None  # shared by the slots (set_kv_cache)
+        self._budget: KvBudget | None = None  # where the store has what the arenas leave (set_kv_cache)
         self._local = threading.local()
         self.load_seconds = time.monotonic() - started
         log.info("model ready in %.1f s: %s on our own model code, %s, vocab %d, context %d",
@@ -114,21 +120,30 @@ class ModelRunner(CachedPrefill, Runner):
     def release_prefix(self, hit: PrefixHit) -> None:
         self.prefix_store.release(hit)
 
-    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float = 0.0,
+    def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float | None = 0.0,
                      prefix_admit: str = "second") -> None:
-        """Size every slot's arena: total_bytes (None: the device's default) shared by the slots,
-        less prefix_share of it for the prefix cache (model/prefix_cache.py; 0: none), which keeps
-        a block on its second sight (prefix_admit "second": model/seen_blocks.py) or every one ("all")."""
+        """Size every slot's arena: total_bytes (None: the device's default) shared by the slots, and
+        the prefix cache's store (model/prefix_cache.py), which keeps a block on its second sight
+        (prefix_admit "second": model/seen_blocks.py) or every one ("all"). prefix_share 0: no store;
+        a fraction: the store holds that share of the bytes, the slots the rest; None: on a CPU the
+        store holds whatever the slots' arenas have not reached (model/kv_budget.py), the slots
+        as much as with no store; on an accelerator, where memory is allocated whole, half."""
         total = total_bytes or default_kv_cache_bytes(self.device)
         token_bytes = self.kv_layout.token_bytes
-        blocks = int(total * prefix_share) // (BLOCK_TOKENS * token_bytes)
+        block_bytes = BLOCK_TOKENS * token_bytes
+        adapts = prefix_share is None and on_host(self.device)
+        if prefix_share is None and not adapts:
+            prefix_share = ACCELERATOR_PREFIX_SHARE
+        blocks = total // block_bytes if adapts else int(total * prefix_share) // block_bytes
         self.prefix_store = PrefixStore(self.kv_layout, blocks, self.device, prefix_admit) if blocks else None
-        self.kv_tokens = (total - blocks * BLOCK_TOKENS * token_bytes) // slots // token_bytes
+        self._budget = KvBudget(total, self.prefix_store) if adapts and blocks else None
+        self.kv_tokens = (total - (0 if adapts else blocks * block_bytes)) // slots // token_bytes
         log.info("key/value cache: %d slot(s) x %d tokens (%.0f MiB each, %d bytes a token)", slots,
                  self.kv_tokens, self.kv_tokens * token_bytes / 2**20, token_bytes)
         if blocks:
-            log.info("prefix cache: %d blocks of %d tokens (%.0f MiB), shared by the slots", blocks, BLOCK_TOKENS,
-                     blocks * BLOCK_TOKENS * token_bytes / 2**20)
+            log.info("prefix cache: up to %d blocks of %d tokens (%.0f MiB)%s, shared by the slots", blocks,
+                     BLOCK_TOKENS, blocks * block_bytes / 2**20,
+                     ": what the slots' caches do not reach" if adapts else "")
 
     def _arena(self) -> KvArena:
         arena = getattr(self._local, "arena", None)
@@ -136,7 +151,8 @@ class ModelRunner(CachedPrefill, Runner):
             if not self.kv_tokens:
                 self.set_kv_cache(None, 1)
             arena = self._local.arena = KvArena(self.kv_layout, self.kv_tokens, self.device,
-                                                host_tensor if on_host(self.device) else None)
+                                                host_tensor if on_host(self.device) else None,
+                                                self._budget.reach if self._budget is not None else None)
         return arena
 
     def capture_graphs(self, max_rows: int, capture=None) -> PiecewiseGraphs | None:
@@ -205,12 +221,14 @@ class ModelRunner(CachedPrefill, Runner):
         lengths = [len(p) for p in prompts]
         with self._claimed(prompts, whole, held) as hits:
             cache, first = into, 0
-            if capacity or into is not None or self._slab_for_prefixes(lengths, hits):
+            slab_anyway = bool(capacity) or into is not None
+            if slab_anyway or self._slab_for_prefixes(lengths, hits):
                 capacity = max(capacity, max(lengths))
                 if cache is None:
                     cache = SlabCache(self._arena(), len(prompts), capacity)
                 first = cache.add_rows(lengths, capacity)
-            hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits, self._admitted(hits))
+            hidden, ctx, cached = self._turns(prompts, cache, first, whole, between_layers, hits,
+                                              self._admitted(hits, slab_anyway))
         return hidden, cache, ctx, cached
 
     def decode(self, kv: SlabCache, tokens: list[int], between_layers: Callable[[], None] | None = None,
@@ -250,7 +268,8 @@ class ModelRunner(CachedPrefill, Runner):
             if rounds > 1:
                 # Right after the prompts' rectangle, which never grows: their rows only leave (BeamState.keep).
                 own = arena.view(sum(widths), rounds - 1, start=cache.row_capacity * cache.capacity)
-            hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed, self._admitted(claimed))
+            hidden, _, cached = self._turns(prompts, cache, 0, None, between_layers, claimed,
+                                            self._admitted(claimed, rounds > 1))
         return BeamPrefilled(hidden, BeamState(cache, lengths, own), cached)
 
     def beam_decode(self, state: BeamState, tokens: list[int], parents: list[int], widths: list[int],
@@ -278,7 +297,7 @@ class ModelRunner(CachedPrefill, Runner):
                 cache = SlabCache(self._arena(), len(prompts), max(lengths))
                 cache.add_rows(lengths, max(lengths))
             hidden, _, cached = self._prefill_rows(prompts, cache, 0, None, between_layers, claimed,
-                                                   candidates if fed else None, self._admitted(claimed))
+                                                   candidates if fed else None, self._admitted(claimed, fed))
         return BeamPrefilled(hidden, None, cached)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
