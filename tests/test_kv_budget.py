@@ -15,7 +15,7 @@ from .test_generation import random_prompts
 from .test_prefix_cache import make_runner, run
 
 B = BLOCK_TOKENS
-TOTAL = 8 << 20
+TOTAL = 32 << 20
 
 
 def runner_of(model_dir: str, slots: int = 1, share: float | None = None):
@@ -30,8 +30,10 @@ def test_unset_share_gives_each_slot_the_whole_budget_and_the_store_all_of_it(ti
     off, adaptive, fixed = (runner_of(tiny_model_dir, 2, share) for share in (0.0, None, 0.5))
     assert off.prefix_store is None
     assert adaptive.kv_tokens == off.kv_tokens  # a batch that fits without the store fits with it
-    store = adaptive.prefix_store
-    assert store.capacity == store.size == TOTAL // store.block_bytes
+    store, budget = adaptive.prefix_store, adaptive._budget
+    assert store.size == TOTAL // store.block_bytes
+    # All of it but the pages held whole at the end of each layer's run of blocks (block_pool.pool_slack).
+    assert store.capacity == (TOTAL - budget.store_slack) // store.block_bytes
     assert fixed.kv_tokens < off.kv_tokens  # (a fixed share is taken from the slots)
 
 
@@ -41,11 +43,11 @@ def test_an_arena_reaching_further_shrinks_the_store_and_its_blocks_are_forgotte
     prompts = random_prompts(21, [4 * B + 3, 6 * B])
     run(runner, prompts, steps=1)  # (kept on first sight: admit all)
     assert store.used == 10
-    token_bytes = store.layout.token_bytes
+    token_bytes, budget = store.layout.token_bytes, runner._budget
     reached = runner._arena().reached
-    assert store.capacity == (TOTAL - reached * token_bytes) // store.block_bytes
-    # A batch whose cache reaches all but 4 blocks' worth of the arena: the store keeps at most 4.
-    tokens = runner.kv_tokens - 4 * B
+    assert store.capacity == (TOTAL - reached * token_bytes - budget.page - budget.store_slack) // store.block_bytes
+    # A batch whose cache reaches all the budget but 4 blocks' worth: the store keeps at most 4.
+    tokens = (TOTAL - budget.page - budget.store_slack - 4 * store.block_bytes) // token_bytes
     runner._arena().view(1, tokens)
     assert store.capacity == 4 and store.used <= 4
     assert all(block < 4 for block in store._index.values())
@@ -92,7 +94,9 @@ def test_slots_reaching_at_once_leave_the_store_within_what_is_left(tiny_model_d
         thread.start()
     for thread in threads:
         thread.join()
-    left = TOTAL - (runner._arena().reached + sum(views)) * store.layout.token_bytes
+    budget = runner._budget
+    left = (TOTAL - (runner._arena().reached + sum(views)) * store.layout.token_bytes - 3 * budget.page
+            - budget.store_slack)
     assert store.capacity == left // store.block_bytes  # (this thread's arena, and the two slots')
 
 

@@ -19,6 +19,23 @@ BLOCK_TOKENS = 32
 HUGE_PAGE = 2 << 20
 
 
+def page_bytes() -> int:
+    """The page a touched byte of our anonymous memory may bring in whole: 2 MiB where transparent
+    huge pages are not off, else the system's page."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            huge = "[never]" not in f.read()
+    except OSError:  # not Linux
+        huge = False
+    return HUGE_PAGE if huge else mmap.PAGESIZE
+
+
+def pool_slack(layout: KvLayout, page: int) -> int:
+    """Bytes a pool may hold beyond its blocks: each layer's keys and each layer's values are a run
+    of blocks of their own, and the page at each run's end is held whole however little is used."""
+    return layout.layers * 2 * page
+
+
 class BlockPool:
     """On a CPU, in an anonymous block advised for transparent huge pages: until the pool has
     filled once, every miss writes its blocks into pages never touched, and the kernel's faulting

@@ -4,8 +4,10 @@ Every slot's arena is as large as it would be with no prefix cache, so a batch t
 the cache fits with it. On a CPU an arena's pages are touched only as far as its batches' views
 reach (kv_cache.KvArena.reached), and the store's only as far as it has taken blocks: the store
 may hold whatever the arenas have not reached, and gives blocks back (evicting them, their pages
-returned to the system) whenever an arena reaches further. So the process never holds more than
-the budget (beyond, for the length of one prefill, the blocks that prefill pins), the store holds
+returned to the system) whenever an arena reaches further. Pages are held whole (2 MiB ones where
+transparent huge pages are on): an arena's last, and the store's at the end of each layer's keys
+and values, are counted whole. So the process never holds more key/value memory than the budget
+(beyond, for the length of one prefill, the blocks that prefill pins), the store holds
 nothing a running request needs, and a slot never waits for the store.
 
 An arena's reach only grows: a slot that once ran a large beam batch keeps those pages for the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+from .block_pool import page_bytes, pool_slack
 from .kv_cache import KvArena
 from .prefix_cache import PrefixStore
 
@@ -31,8 +34,12 @@ class KvBudget:
     def __init__(self, total_bytes: int, store: PrefixStore) -> None:
         self.total = total_bytes
         self.store = store
+        # Pages are held whole: an arena's last page, and the store's at the end of each layer's run.
+        self.page = page_bytes()
+        self.store_slack = pool_slack(store.layout, self.page)
         self._reached: weakref.WeakKeyDictionary[KvArena, int] = weakref.WeakKeyDictionary()  # bytes an arena reached
         self._lock = threading.Lock()
+        store.fit(self.store_room() // store.block_bytes)
 
     def reach(self, arena: KvArena, tokens: int) -> None:
         """KvArena.on_reach: the arena's views now cover its first `tokens` tokens; the store fits
@@ -43,4 +50,5 @@ class KvBudget:
 
     def store_room(self) -> int:
         """Bytes the store may hold now."""
-        return max(0, self.total - sum(self._reached.values()))
+        arenas = sum(self._reached.values()) + self.page * len(self._reached)
+        return max(0, self.total - arenas - self.store_slack)
