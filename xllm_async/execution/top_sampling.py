@@ -1,0 +1,115 @@
+"""Sampling a decode row from its top-k logits alone (the LM head fused with a top-k pick,
+csrc/head_topk.cpp, issue 49), to exactly the token sampling.py's sampler picks from the whole row.
+
+Exact, here, is bit for bit: for the same logits and the same generator state this picks the token
+sample() picks, and leaves the generator in the state sample() leaves it, so a seeded request's
+tokens are the same through either path, step after step. How each of _sample_rows' steps is
+reproduced over the few candidates:
+- temperature and the top-k threshold: the same float32 division of the same values, the k-th
+  largest taken from the candidates; every value that ties with it once divided is kept (sample()'s
+  `scores < threshold` keeps them all), so the candidates must reach past the k-th: SPARE more, and
+  a row whose candidates all tie with the threshold (or that has a NaN) is sampled from its logits
+  (the caller's logits_of), as sample() would;
+- top-p: the kept values in torch.sort's stable descending order (sample() sorts stably for that),
+  and their softmax and running sum over a copy padded with -inf to a multiple of 64: torch sums a
+  row lane by lane (lane = position mod the vector width, which divides 64) and the -inf beyond add
+  exact zeros, so the sums are the whole row's bit for bit;
+- the softmax over the vocabulary and min-p: over the 64-column blocks of the vocabulary that hold a
+  kept token, in vocabulary order; the blocks left out hold only zeros for the same reason;
+- the exponential race: each row draws its whole row's exponentials from its generator, as sample()
+  does (the draw is most of what this path still costs: about 1 ms a row of SmolLM2's 49,152 on
+  this CPU; torch draws them one by one from the generator, so skipping the unneeded ones without
+  changing the generator's state would mean reproducing torch's Mersenne twister), and the first
+  largest probability / draw wins, in vocabulary order; a zero draw anywhere (a NaN or inf in
+  sample()'s race) takes sample()'s own argmax over the whole row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..engine.params import SamplingParams
+from .sampling import _sample_rows
+
+# The largest top_k served from candidates: the kernel keeps each row's list sorted by insertion,
+# which costs about width per entry, and a k past this makes the candidates' blocks approach the
+# vocabulary's anyway (64 kept tokens: at most 64 blocks of 64 columns, 4,096 of SmolLM2's 49,152).
+MAX_TOP_K = 64
+SPARE = 64  # candidates past the k-th, for the values that tie with it once divided by the temperature
+BLOCK = 64  # a multiple of any vector width torch sums float32 rows with
+
+
+def served(p: SamplingParams, vocab: int) -> bool:
+    """Whether a row with these parameters (and no logprobs, grammar or controls: the caller checks
+    those) samples from candidates: greedy, or top_k in 1..MAX_TOP_K below the vocabulary."""
+    return p.logprobs is None and (p.greedy or 0 < p.top_k <= min(MAX_TOP_K, vocab - 1))
+
+
+def width_for(params: list[SamplingParams], vocab: int) -> int:
+    """How many candidates a step of these rows needs from the LM head."""
+    widest = max((p.top_k for p in params if not p.greedy), default=0)
+    return min(vocab, widest + SPARE) if widest else 1
+
+
+def sample_top(values: torch.Tensor, indices: torch.Tensor, nans: torch.Tensor, params: list[SamplingParams],
+               generators: list, vocab: int, logits_of: Callable[[list[int]], torch.Tensor]) -> list[int]:
+    """Each row's token from its candidates (linear_topk's values, columns and first NaN column), as
+    sample() picks it from the row's logits; logits_of(rows) gives some rows' logits [len, vocab]
+    (float32) for the rows the candidates cannot serve."""
+    tokens: list[int] = [0] * len(params)
+    whole: list[int] = []
+    nan_at = nans.tolist()
+    for row, p in enumerate(params):
+        if p.greedy:  # argmax_rows': the first NaN, else the first largest
+            tokens[row] = nan_at[row] if nan_at[row] >= 0 else int(indices[row, 0])
+            continue
+        token = None if nan_at[row] >= 0 else _from_candidates(values[row], indices[row], p, generators[row], vocab)
+        if token is None:
+            whole.append(row)
+        else:
+            tokens[row] = token
+    if whole:
+        logits = logits_of(whole)
+        picked = _sample_rows(logits, [params[r] for r in whole], [generators[r] for r in whole])
+        for row, token in zip(whole, picked):
+            tokens[row] = token
+    return tokens
+
+
+def _from_candidates(values: torch.Tensor, columns: torch.Tensor, p: SamplingParams, generator, vocab: int):
+    """One row's token, or None where its candidates may miss a kept value."""
+    scores = values / torch.tensor([p.temperature])  # (as sample(): float32 over float32)
+    threshold = scores[p.top_k - 1]
+    kept = int((scores >= threshold).sum())
+    if kept == len(scores) and len(scores) < vocab:
+        return None  # every candidate ties with the threshold: more may lie beyond them
+    scores, columns = scores[:kept], columns[:kept]
+    by_column = columns.argsort()
+    scores, columns = scores[by_column], columns[by_column]
+    if p.top_p < 1.0:
+        ranked, order = scores.sort(descending=True, stable=True)
+        padded = torch.full((-(-kept // BLOCK) * BLOCK,), float("-inf"))
+        padded[:kept] = ranked
+        probs = padded.softmax(-1)
+        drop = (probs.cumsum(-1) - probs)[:kept] >= torch.tensor([p.top_p])
+        scores = scores.scatter(0, order, ranked.masked_fill(drop, float("-inf")))
+    blocks = torch.unique(columns // BLOCK)  # (sorted)
+    at = torch.searchsorted(blocks, columns // BLOCK) * BLOCK + columns % BLOCK
+    spread = torch.full((len(blocks) * BLOCK,), float("-inf"))
+    spread[at] = scores
+    probs = spread.softmax(-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < torch.tensor([p.min_p]) * probs.amax(-1, keepdim=True), 0.0)
+    race = torch.empty(vocab).exponential_(generator=generator)  # (the whole row's draws: the same state after)
+    if bool((race == 0).any()):  # sample()'s race has a NaN or inf: its own argmax over the whole row
+        whole = torch.zeros(vocab)
+        whole[columns] = probs[at]
+        return int(np.argmax((whole / race).numpy()))
+    spots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
+    draws = torch.ones(len(spots))
+    inside = spots < vocab
+    draws[inside] = race[spots[inside]]
+    return int(spots[int(np.argmax((probs / draws).numpy()))])
