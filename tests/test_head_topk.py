@@ -13,6 +13,7 @@ import torch
 from xllm_async.engine.params import SamplingParams
 from xllm_async.engine.request import EngineRequest
 from xllm_async.execution import batch as batch_module
+from xllm_async.execution import top_sampling
 from xllm_async.execution.prepare import prepare
 from xllm_async.execution.sampling import sample
 from xllm_async.execution.top_sampling import sample_top, width_for
@@ -108,10 +109,14 @@ def candidates(logits: torch.Tensor, width: int):
     return values[:, :width].contiguous(), columns[:, :width].contiguous(), torch.full((len(logits),), -1)
 
 
+@pytest.mark.parametrize("ours", [True, False], ids=["our draws", "torch's draws"])
 @pytest.mark.parametrize("vocab", [130, 1000, 49152])
-def test_sampling_from_the_candidates_picks_samples_tokens_and_leaves_its_generators_so(vocab):
+def test_sampling_from_the_candidates_picks_samples_tokens_and_leaves_its_generators_so(vocab, ours, monkeypatch):
     """Bit for bit, ties included (bfloat16 logits tie often; some rows tie past every candidate and
-    take the logits), for temperature, top-k, top-p and min-p together, step after step."""
+    take the logits), for temperature, top-k, top-p and min-p together, step after step; the
+    exponentials drawn by our kernel (its columns only) or by torch (the whole row)."""
+    monkeypatch.setattr(top_sampling, "_exact_draws", ours and top_sampling._check_draws())
+    assert top_sampling._exact_draws == ours
     whole = []
     for trial in range(24 if vocab < 49152 else 8):
         gen = torch.Generator().manual_seed(trial)
@@ -131,6 +136,35 @@ def test_sampling_from_the_candidates_picks_samples_tokens_and_leaves_its_genera
             assert got == want
             assert all(a is None or torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, theirs))
     assert whole  # (the ties past the candidates were met)
+
+
+def test_our_draws_are_torchs_and_leave_the_generator_as_it_does():
+    assert top_sampling._check_draws()  # (what sample_top relies on at first use)
+    ours, theirs = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    columns = torch.tensor([49151, 5, 700, 5, 0])
+    drawn, zeros = torch.ops.xllm.exponential_at(ours, 49152, columns)
+    assert torch.equal(drawn, torch.empty(49152).exponential_(generator=theirs)[columns]) and len(zeros) == 0
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+def test_a_zero_draw_wins_as_numpys_argmax_lets_it(monkeypatch):
+    """A draw of 0 (u = 0: once in 2^53) makes sample()'s race 0/0 (NaN: the first wins) or p/0 (inf)."""
+    vocab = 300
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    order = logits[0].argsort(descending=True).tolist()
+    real = torch.Tensor.exponential_
+    monkeypatch.setattr(top_sampling, "_exact_draws", False)  # (both sides draw through torch's, patched)
+    for zero_at in ([order[200], order[0]], [order[1], order[0]], [order[3]]):
+        def patched(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            self[zero_at] = 0.0
+            return self
+        monkeypatch.setattr(torch.Tensor, "exponential_", patched)
+        params = [SamplingParams(temperature=1.0, top_k=5, seed=1)]
+        want, _ = sample(logits.clone(), params, [torch.Generator().manual_seed(1)])
+        got = sample_top(*candidates(logits, width_for(params, vocab)), params, [torch.Generator().manual_seed(1)],
+                         vocab, lambda rows: logits[rows].clone())
+        assert got == want
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])

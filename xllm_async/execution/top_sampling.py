@@ -16,12 +16,12 @@ reproduced over the few candidates:
   exact zeros, so the sums are the whole row's bit for bit;
 - the softmax over the vocabulary and min-p: over the 64-column blocks of the vocabulary that hold a
   kept token, in vocabulary order; the blocks left out hold only zeros for the same reason;
-- the exponential race: each row draws its whole row's exponentials from its generator, as sample()
-  does (the draw is most of what this path still costs: about 1 ms a row of SmolLM2's 49,152 on
-  this CPU; torch draws them one by one from the generator, so skipping the unneeded ones without
-  changing the generator's state would mean reproducing torch's Mersenne twister), and the first
-  largest probability / draw wins, in vocabulary order; a zero draw anywhere (a NaN or inf in
-  sample()'s race) takes sample()'s own argmax over the whole row.
+- the exponential race: each row's generator goes through its whole row's draws, as sample()'s
+  does, but the logarithms are taken at the kept columns only (csrc/exponential_draws.cpp
+  reproduces torch's draw: its Mersenne twister, then -log1p(-u); checked against torch at first
+  use, else the whole row is drawn by torch: about 1 ms a row of SmolLM2's 49,152 on this CPU);
+  the first largest probability / draw wins, in vocabulary order; a zero draw (a 0/0 or p/0 in
+  sample()'s race) wins as numpy's argmax lets it: the first NaN, else the first inf.
 """
 
 from __future__ import annotations
@@ -103,13 +103,45 @@ def _from_candidates(values: torch.Tensor, columns: torch.Tensor, p: SamplingPar
     probs = spread.softmax(-1)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < torch.tensor([p.min_p]) * probs.amax(-1, keepdim=True), 0.0)
-    race = torch.empty(vocab).exponential_(generator=generator)  # (the whole row's draws: the same state after)
-    if bool((race == 0).any()):  # sample()'s race has a NaN or inf: its own argmax over the whole row
-        whole = torch.zeros(vocab)
-        whole[columns] = probs[at]
-        return int(np.argmax((whole / race).numpy()))
-    spots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
-    draws = torch.ones(len(spots))
-    inside = spots < vocab
-    draws[inside] = race[spots[inside]]
-    return int(spots[int(np.argmax((probs / draws).numpy()))])
+    kept_probs = probs[at]
+    draws, zeros = _draws(generator, vocab, columns)  # (the whole row's draws: the same state after)
+    if len(zeros):  # sample()'s race has 0/0 (NaN) or p/0 (inf) there: numpy's argmax takes the first NaN, else inf
+        positive = dict(zip(columns.tolist(), kept_probs.tolist()))
+        nan = [z for z in zeros.tolist() if positive.get(z, 0.0) == 0.0]
+        return nan[0] if nan else int(zeros[0])
+    # Elsewhere sample()'s race is 0 / a positive finite draw: 0, below the kept tokens' largest (one
+    # has probability > 0), so the first largest among them, in vocabulary order, is the row's.
+    return int(columns[int(np.argmax((kept_probs / draws).numpy()))])
+
+
+_exact_draws: bool | None = None  # whether torch.ops.xllm.exponential_at draws as torch does (checked once)
+
+
+def _draws(generator, vocab: int, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch.empty(vocab).exponential_(generator=generator) draws at these columns, and the columns
+    where it draws 0, the generator left as that call leaves it: by our kernel (csrc/exponential_draws.cpp:
+    the logarithms of these columns only) where it matches torch here, else by that very call."""
+    global _exact_draws
+    if _exact_draws is None:
+        _exact_draws = _check_draws()
+    if _exact_draws:
+        return torch.ops.xllm.exponential_at(generator, vocab, columns)
+    race = torch.empty(vocab).exponential_(generator=generator)
+    return race[columns], (race == 0).nonzero().flatten()
+
+
+def _check_draws() -> bool:
+    """exponential_at against torch's own draws, every column, two calls in a row (the state after the
+    first carried into the second), a few seeds and lengths."""
+    if not hasattr(torch.ops.xllm, "exponential_at"):
+        return False
+    for seed in (0, 7, 2**63 + 5):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for n in (1, 623, 5000, 313):
+            drawn, zeros = torch.ops.xllm.exponential_at(ours, n, torch.arange(n))
+            want = torch.empty(n).exponential_(generator=theirs)
+            if not torch.equal(drawn, want) or len(zeros) != int((want == 0).sum()):
+                return False
+        if not torch.equal(ours.get_state(), theirs.get_state()):
+            return False
+    return True
