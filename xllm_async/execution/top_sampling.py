@@ -34,9 +34,10 @@ import torch
 from ..engine.params import SamplingParams
 from .sampling import _sample_rows
 
-# The largest top_k served from candidates: the kernel keeps each row's list sorted by insertion,
-# which costs about width per entry, and a k past this makes the candidates' blocks approach the
-# vocabulary's anyway (64 kept tokens: at most 64 blocks of 64 columns, 4,096 of SmolLM2's 49,152).
+# The largest top_k served from candidates: clients' usual values lie below it (20-50: transformers'
+# default 50, llama.cpp's 40); the kernel keeps up to 2 x (k + SPARE) entries a row and thread; and
+# the vocabulary softmax runs over the kept tokens' 64-column blocks, at most k of them (64: 4,096 of
+# SmolLM2's 49,152 columns), a share that grows with k toward the whole row.
 MAX_TOP_K = 64
 SPARE = 64  # candidates past the k-th, for the values that tie with it once divided by the temperature
 BLOCK = 64  # a multiple of any vector width torch sums float32 rows with

@@ -11,10 +11,9 @@
 // sampler takes such a row's logits). A list holds fewer than `width` only where the row has fewer
 // non-NaN columns (the rest: value -inf, column -1).
 //
-// Threads split the column blocks as the greedy pick does. Each keeps, per row, its own sorted list
-// of `width` (a column enters only above the list's last: met in increasing order, an equal value
-// comes after); then one merge per row of the threads' lists, by value and then column: the same
-// lists for any thread count. bfloat16 only where the linear runs our vdpbf16ps loop (as
+// Threads split the column blocks as the greedy pick does. Each keeps, per row, its own candidates
+// (Lists: its width largest so far, and up to as many again above their floor); then one merge per
+// row of the threads' candidates, by value and then column: the same lists for any thread count. bfloat16 only where the linear runs our vdpbf16ps loop (as
 // linear_argmax: not on AMX); float32 everywhere the library runs.
 
 #include <ATen/ATen.h>
@@ -39,39 +38,47 @@ using xllm_blocked::kRows;
 using xllm_linear_rows::kVectors;
 constexpr int64_t kNoNan = std::numeric_limits<int64_t>::max();
 
-// One thread's lists: [rows][width] values and columns, each row's count and first NaN column.
+struct Entry {
+  float value;
+  int32_t column;
+};
+
+// Rank: value descending, then column ascending (values here are never NaN).
+inline bool ranks(const Entry& p, const Entry& q) {
+  return p.value > q.value || (p.value == q.value && p.column < q.column);
+}
+
+// One thread's candidates per row: up to 2 x width entries unsorted, each row's count, and its floor
+// (the width-th largest at the last cut; `floored` 0 until the first). A column enters only above
+// the floor (met in increasing order, an equal value ranks after those kept); a full row is cut
+// back to its width largest (nth_element), so an entry costs O(1) amortized, not a sorted insert.
 struct Lists {
-  float* value;
-  int32_t* index;
+  Entry* entries;
   int32_t* count;
-  int64_t* nan;
+  float* floor;
+  uint8_t* floored;
+  int64_t* nan;  // each row's first NaN column (kNoNan: none)
   int64_t width;
 
-  Lists rows_from(int64_t r) const { return Lists{value + r * width, index + r * width, count + r, nan + r, width}; }
+  Lists rows_from(int64_t r) const {
+    return Lists{entries + r * 2 * width, count + r, floor + r, floored + r, nan + r, width};
+  }
 
-  // Column `col` with value x (not NaN) into row r's list, if it ranks among the width largest so far.
   void offer(int64_t r, float x, int32_t col) const {
-    float* v = value + r * width;
-    int32_t* c = index + r * width;
-    int32_t n = count[r];
-    if (n == width) {
-      if (!(x > v[width - 1])) return;  // (an equal value came later: it ranks after)
-      --n;
+    if (floored[r] && !(x > floor[r])) return;
+    Entry* e = entries + r * 2 * width;
+    e[count[r]++] = Entry{x, col};
+    if (count[r] == 2 * width) {
+      std::nth_element(e, e + width - 1, e + 2 * width, ranks);
+      count[r] = int32_t(width);
+      floor[r] = e[width - 1].value;
+      floored[r] = 1;
     }
-    int32_t at = n;
-    while (at > 0 && v[at - 1] < x) {  // after every value >= x (the earlier columns among equals)
-      v[at] = v[at - 1];
-      c[at] = c[at - 1];
-      --at;
-    }
-    v[at] = x;
-    c[at] = col;
-    count[r] = n + 1;
   }
 };
 
 // Rows [0, R) of a block's sums (rounded as the linear stores them) into their lists: a vector's
-// lanes go one by one only where one beats its row's last (rare once the lists are full).
+// lanes go one by one only where one is above its row's floor (rare once it has one).
 template <int R>
 void keep(const __m512 (&sums)[R][kVectors], int64_t n0, int64_t cols, const Lists& lists) {
   alignas(64) float lane[16];
@@ -82,9 +89,7 @@ void keep(const __m512 (&sums)[R][kVectors], int64_t n0, int64_t cols, const Lis
       const __mmask16 nan = _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
       if (nan) lists.nan[r] = std::min<int64_t>(lists.nan[r], n0 + v * 16 + __builtin_ctz(nan));
       __mmask16 more = live & ~nan;
-      if (lists.count[r] == lists.width)
-        more = _mm512_mask_cmp_ps_mask(more, x, _mm512_set1_ps(lists.value[r * lists.width + lists.width - 1]),
-                                       _CMP_GT_OQ);
+      if (lists.floored[r]) more = _mm512_mask_cmp_ps_mask(more, x, _mm512_set1_ps(lists.floor[r]), _CMP_GT_OQ);
       if (!more) continue;
       _mm512_store_ps(lane, x);
       for (unsigned m = more; m; m &= m - 1) {
@@ -158,14 +163,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_all(const char* a, int64_t el
   const int64_t chunk = std::max<int64_t>(1, xllm_blocked::kWeightChunk / block_bytes);
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, col_blocks)));
-  std::vector<float> values(size_t(used * m * width));
-  std::vector<int32_t> indices(size_t(used * m * width));
+  std::vector<Entry> entries(size_t(used * m * 2 * width));
   std::vector<int32_t> counts(size_t(used * m), 0);
+  std::vector<float> floors(size_t(used * m), 0.f);
+  std::vector<uint8_t> floored(size_t(used * m), 0);
   std::vector<int64_t> nans(size_t(used * m), kNoNan);
 
   auto run = [&](int t, int nt) {
-    const Lists lists{values.data() + t * m * width, indices.data() + t * m * width, counts.data() + t * m,
-                      nans.data() + t * m, width};
+    const Lists lists{entries.data() + t * m * 2 * width, counts.data() + t * m, floors.data() + t * m,
+                      floored.data() + t * m, nans.data() + t * m, width};
     const int64_t first = col_blocks * t / nt, last = col_blocks * (t + 1) / nt;
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = std::min(last, c0 + chunk);
@@ -190,21 +196,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_all(const char* a, int64_t el
   float* ov = out_values.data_ptr<float>();
   int64_t* oi = out_indices.data_ptr<int64_t>();
   int64_t* on = out_nan.data_ptr<int64_t>();
-  std::vector<std::pair<float, int32_t>> all;
+  std::vector<Entry> all;
   for (int64_t r = 0; r < m; ++r) {
     all.clear();
     int64_t nan = kNoNan;
     for (int t = 0; t < used; ++t) {
       nan = std::min(nan, nans[t * m + r]);
-      const size_t at = size_t((t * m + r) * width);
-      for (int32_t i = 0; i < counts[t * m + r]; ++i) all.emplace_back(values[at + i], indices[at + i]);
+      const Entry* e = entries.data() + (t * m + r) * 2 * width;
+      all.insert(all.end(), e, e + counts[t * m + r]);
     }
-    const auto ranks = [](const std::pair<float, int32_t>& p, const std::pair<float, int32_t>& q) {
-      return p.first > q.first || (p.first == q.first && p.second < q.second);
-    };
     const size_t kept = std::min<size_t>(all.size(), size_t(width));
     std::partial_sort(all.begin(), all.begin() + kept, all.end(), ranks);
-    for (size_t i = 0; i < kept; ++i) ov[r * width + i] = all[i].first, oi[r * width + i] = all[i].second;
+    for (size_t i = 0; i < kept; ++i) ov[r * width + i] = all[i].value, oi[r * width + i] = all[i].column;
     on[r] = nan == kNoNan ? -1 : nan;
   }
   return {out_values, out_indices, out_nan};
