@@ -11,6 +11,7 @@ from .grammar import accept_tokens, mask_logits
 from .prepare import admitted_prefixes
 from .runner import Runner
 from .sampling import sample
+from .top_sampling import sample_top, served, width_for
 
 Items = list[tuple[EngineRequest, Delta]]
 
@@ -120,6 +121,9 @@ class GenerationBatch(Batch):
         if self._greedy_only():  # (the tokens alone: a runner may pick them without making the logits)
             tokens = self.runner.decode_greedy(self.kv, self._next_tokens, between_layers=self.between_layers)
             items = self._hand_out(tokens, [None] * len(tokens))
+        elif self._top_only():  # (each row's top k alone: a runner may give them without the logits)
+            tokens = self._sample_top()
+            items = self._hand_out(tokens, [None] * len(tokens))
         else:
             items = self._advance(self.runner.decode(self.kv, self._next_tokens, between_layers=self.between_layers))
         if self._metrics is not None:
@@ -146,6 +150,24 @@ class GenerationBatch(Batch):
         logits first)."""
         return self.runner.picks_greedy and not self._controlled and all(
             r.params.greedy and r.params.logprobs is None and r.matcher is None for r in self.requests)
+
+    def _top_only(self) -> bool:
+        """Whether a step needs only each row's largest logits, and the runner gives them without the
+        rest: every row greedy or sampling from a small top k (top_sampling.served), none with
+        log-probabilities, a grammar or token controls."""
+        vocab = self.runner.vocab_size
+        return self.runner.picks_top and not self._controlled and all(
+            r.matcher is None and served(r.params, vocab) for r in self.requests)
+
+    def _sample_top(self) -> list[int]:
+        """A step's tokens from each row's candidates (top_sampling.sample_top: sample()'s tokens, its
+        generators left as sample() leaves them); a row they cannot serve gets its logits from the
+        step's hidden states."""
+        params = [r.params for r in self.requests]
+        top = self.runner.decode_top(self.kv, self._next_tokens, width_for(params, self.runner.vocab_size),
+                                     between_layers=self.between_layers)
+        return sample_top(top.values, top.columns, top.nans, params, [r.generator for r in self.requests], top.vocab,
+                          lambda rows: self.runner.logits(top.hidden[rows]))
 
     def _hand_out(self, tokens: list[int], logprobs: list, ended=(), first: int = 0) -> Items:
         """Rows first..'s chosen tokens to their requests (ended: the rows whose grammar ended)."""

@@ -48,6 +48,31 @@ class BeamPrefilled:
         self.cached = cached
 
 
+class TopLogits:
+    """What decode_top() returns: each row's `width` largest logits (float32 [rows, width]) and their
+    columns (int64, value descending then column ascending: torch's stable order; NaNs left out), each
+    row's first NaN column (int64 [rows], -1: none), the final hidden states that logits() turns
+    into the whole rows where the sampler needs them, and the vocabulary's width."""
+
+    __slots__ = ("values", "columns", "nans", "hidden", "vocab")
+
+    def __init__(self, values: torch.Tensor, columns: torch.Tensor, nans: torch.Tensor, hidden: torch.Tensor,
+                 vocab: int) -> None:
+        self.values = values
+        self.columns = columns
+        self.nans = nans
+        self.hidden = hidden
+        self.vocab = vocab
+
+
+def top_of_logits(logits: torch.Tensor, width: int, hidden: torch.Tensor) -> TopLogits:
+    """TopLogits taken from whole logits [rows, vocab] (a runner without a fused top-k), in its order."""
+    nan = torch.isnan(logits)
+    first = torch.where(nan.any(-1), nan.int().argmax(-1), -1)
+    values, columns = logits.masked_fill(nan, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    return TopLogits(values[:, :width].contiguous(), columns[:, :width].contiguous(), first, hidden, logits.shape[-1])
+
+
 class Runner(Protocol):
     engine: str  # "native" or "transformers", as start-up logs it
     tokenizer: object
@@ -73,6 +98,9 @@ class Runner(Protocol):
     # decode_greedy() picks a step's greedy tokens without making its logits (ours, with our packed LM
     # head on CPU); False: it only takes decode()'s logits' argmax, and the engine takes decode().
     picks_greedy: bool
+    # decode_top() gives a step's largest logits without making the rest (ours, with our packed LM head
+    # on CPU, csrc/head_topk.cpp); False: the engine samples from decode()'s logits.
+    picks_top: bool
 
     def match_prefix(self, prompt: list[int]) -> object:
         """Where caches_prefixes, at admission: the prompt's longest cached prefix, pinned (never evicted)
@@ -113,6 +141,11 @@ class Runner(Protocol):
         """decode(), and each row's greedy token: the argmax of its logits, the first on ties (sampling.py's
         argmax_rows), for a step that needs nothing else of them; where picks_greedy, without making
         the logits (ours: the LM head's fused pick, csrc/head_pick.cpp)."""
+
+    def decode_top(self, kv, tokens: list[int], width: int, between_layers: Callable[[], None] | None = None,
+                   ) -> TopLogits:
+        """decode(), and each row's `width` largest logits (execution/top_sampling.py samples from them);
+        where picks_top, without making the rest."""
 
     def beam_prefill(self, prompts: list[list[int]], widths: list[int], rounds: int,
                      between_layers: Callable[[], None] | None = None, hits: list | None = None) -> BeamPrefilled:

@@ -89,7 +89,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         scores = scores.masked_fill(scores < threshold, float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], device=scores.device)
     if bool((top_p < 1.0).any()):
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        # Stable: equal scores in token order, so that which of them a cut drops is defined (and
+        # top_sampling.py reproduces it from a row's candidates alone).
+        sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
         sorted_probs = sorted_scores.softmax(-1)
         # Drop a token when the tokens before it already cover top_p; the first always stays.
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]

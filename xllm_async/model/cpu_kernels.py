@@ -13,8 +13,8 @@ eager code makes four to eight (a bfloat16 prefill spent half its time in such p
 - a structured output's token mask applied to its rows' logits (token_bitmask.cpp, any CPU; called by
   execution/grammar.py through torch's operator table);
 - the linear layers and the LM head of small-row steps (linear.cpp: AMX, else AVX512-BF16; float32
-  on AVX512 FMAs), and the LM head fused with a greedy pick (head_pick.cpp: the same sums, no logits
-  written; bfloat16 where the linear is AVX512-BF16's, float32 wherever it loaded);
+  on AVX512 FMAs), and the LM head fused with a greedy or top-k pick (head_pick.cpp, head_topk.cpp:
+  the same sums, no logits written; bfloat16 where the linear is AVX512-BF16's, float32 wherever it loaded);
 - the linear layers over GGUF's quantized blocks (quant_linear.cpp: AVX512-VNNI; a prompt's rows on
   AMX's bfloat16 tiles where the CPU has them, quant_widened.cpp; model/quantized.py checks it
   against its reference arithmetic and calls it).
@@ -39,6 +39,7 @@ import threading
 import torch
 
 from .cpu_features import bfloat16_units, cpu_identity
+from .head_check import working_head_picks
 
 log = logging.getLogger("xllm_async.cpu_kernels")
 
@@ -71,7 +72,9 @@ _decode = None  # torch.ops.xllm.decode_attention, likewise
 _linear_isa: str | None = None
 _float32_linear = False  # whether torch.ops.xllm.linear takes float32 here (and computed right)
 _float32_fused = False  # whether the elementwise kernels take float32 here (their vector paths)
-_head_pick: frozenset = frozenset()  # the dtypes torch.ops.xllm.linear_argmax picks in here (and picked right)
+# The dtypes torch.ops.xllm.linear_argmax picks in here (and picked right); (dtype, "top") where
+# linear_topk does too.
+_head_pick: frozenset = frozenset()
 _failure: str | None = None  # why the library did not load, where it did not
 # The instruction sets our library is built for (torch.ops.xllm.linear_isa), as start-up names them.
 ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
@@ -185,33 +188,6 @@ def _working_float32_linear() -> bool:
     return bool((out == weight.sum(1)).all())
 
 
-def _working_head_pick() -> frozenset:
-    """The dtypes our LM head's greedy pick (csrc/head_pick.cpp) takes here, each checked against the
-    argmax of our linear's logits (a tie included): bfloat16 where the linear is AVX512-BF16's (on
-    AMX its sums are brgemm's, which the pick does not reproduce), float32 where that linear works."""
-    if not hasattr(torch.ops.xllm, "linear_argmax"):
-        return frozenset()
-    picks = set()
-    gen = torch.Generator().manual_seed(0)
-    for dtype, linear_works in ((torch.bfloat16, _linear_isa == "avx512_bf16"), (torch.float32, _float32_linear)):
-        if not linear_works:
-            continue
-        weight = torch.randn(130, 32, generator=gen).to(dtype)
-        weight[129] = weight[5]  # (rows 5 and 129 tie: the first wins)
-        x = torch.randn(5, 32, generator=gen).to(dtype)
-        packed = torch.ops.xllm.pack_linear(weight)
-        try:
-            picked = torch.ops.xllm.linear_argmax(x, packed, 130)
-        except RuntimeError as exc:
-            log.warning("our LM head pick unusable here in %s: %s", dtype, exc)
-            continue
-        if torch.equal(picked, torch.ops.xllm.linear(x, packed, None, 130).float().argmax(-1)):
-            picks.add(dtype)
-        else:
-            log.warning("our LM head pick computed wrong here in %s: greedy steps take the logits", dtype)
-    return frozenset(picks)
-
-
 def _working_float32_fused() -> bool:
     """Whether the elementwise kernels' float32 paths are in this build (AVX512-BF16) and compute
     right here: an RMSNorm of ones is its weight."""
@@ -237,7 +213,7 @@ def available() -> bool:
                 _linear_isa = _working_linear()
                 _float32_linear = _working_float32_linear()
                 _float32_fused = _working_float32_fused()
-                _head_pick = _working_head_pick()
+                _head_pick = working_head_picks(_linear_isa, _float32_linear)
             except Exception as exc:  # no compiler, no headers: the eager code still runs
                 log.warning("fused CPU kernels unavailable, bfloat16 runs eager elementwise code: %s", exc)
                 _loaded, _failure = False, f"{type(exc).__name__}: {exc}"
@@ -254,8 +230,8 @@ def verified() -> dict[str, bool]:
             "linear": loaded and _linear_isa is not None, "float32 linear": loaded and _float32_linear,
             "token bitmask": loaded and hasattr(torch.ops.xllm, "apply_token_bitmask"),
             # (every dtype whose linear is ours and exact to pick from: float32, and bfloat16 without AMX)
-            "head pick": loaded and torch.float32 in _head_pick
-            and (_linear_isa != "avx512_bf16" or torch.bfloat16 in _head_pick)}
+            "head pick": loaded and {torch.float32, (torch.float32, "top")} <= _head_pick  # (greedy and top-k)
+            and (_linear_isa != "avx512_bf16" or {torch.bfloat16, (torch.bfloat16, "top")} <= _head_pick)}
 
 
 def load_failure() -> str | None:
@@ -278,6 +254,12 @@ def head_pick(dtype: torch.dtype) -> bool:
     """Whether torch.ops.xllm.linear_argmax picks exactly what argmax over our linear's logits would,
     for a model in this dtype here."""
     return dtype in _head_pick if available() else False
+
+
+def head_topk(dtype: torch.dtype) -> bool:
+    """Whether torch.ops.xllm.linear_topk gives exactly the largest of our linear's logits, in torch's
+    stable descending order, for a model in this dtype here."""
+    return (dtype, "top") in _head_pick if available() else False
 
 
 def varlen_attention():

@@ -88,6 +88,18 @@ def packed_argmax(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return torch.ops.xllm.linear_argmax(x, packed.ours, packed.out_features)
 
 
+def topk_serves(packed: PackedWeight | None, dtype: torch.dtype) -> bool:
+    """As argmax_serves, for packed_topk (cpu_kernels.head_topk)."""
+    return argmax_serves(packed, dtype) and cpu_kernels.head_topk(dtype)
+
+
+def packed_topk(x: torch.Tensor, packed: PackedWeight, width: int):
+    """Where topk_serves: each row's `width` largest outputs of packed_linear(x, packed), float32, and
+    their columns (value descending, then column ascending; NaNs left out), and each row's first NaN
+    column (-1: none), by our fused pick (csrc/head_topk.cpp), which makes no [rows, out] outputs."""
+    return torch.ops.xllm.linear_topk(x, packed.ours, packed.out_features, width)
+
+
 def linear_packing(dtype: torch.dtype) -> str | None:
     """Which packed linear serves a CPU model in this dtype: in bfloat16 "ours" where our kernel
     (AMX or AVX512-BF16) loaded and ran, else "onednn" where torch has oneDNN's; in float32 "ours"

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantized
-from .cpu_linear import EXACT_ROWS, PackedWeight, argmax_serves, packed_argmax, packed_linear, rows_padded
+from .cpu_linear import (EXACT_ROWS, PackedWeight, argmax_serves, packed_argmax, packed_linear, packed_topk,
+                         rows_padded, topk_serves)
 from .layers import (
     PLAIN_OPS,
     GatedMlp,
@@ -194,6 +195,16 @@ class CausalLM(nn.Module):
         if self.picks_greedy:
             return packed_argmax(hidden, self.packed_lm_head)
         return self.logits(hidden).argmax(-1)
+
+    @property
+    def picks_top(self) -> bool:
+        """Whether top() picks through the LM head's fused top-k (as picks_greedy: no logits made)."""
+        return self.quant_lm_head is None and topk_serves(self.packed_lm_head, self.lm_head.dtype)
+
+    def top(self, hidden: torch.Tensor, width: int):
+        """Where picks_top: (values, columns, first NaN columns) of each row's `width` largest logits
+        (cpu_linear.packed_topk)."""
+        return packed_topk(hidden, self.packed_lm_head, width)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, as_float: bool = True,
                columns: tuple[int, int] | None = None) -> torch.Tensor:

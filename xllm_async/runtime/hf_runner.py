@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..execution.runner import BeamPrefilled, Prefilled, Runner
+from ..execution.runner import BeamPrefilled, Prefilled, Runner, TopLogits, top_of_logits
 from ..model.scoring import score_prompt
 from .backends import on_host
 from .checkpoint import eos_ids, resolve_dtype
@@ -92,6 +92,7 @@ class TransformersRunner(Runner):
     shares_beam_prompts = False  # every beam holds a copy of its prompt's cache (_CopiedBeams)
     packs_candidates = False  # ranking requests feed their candidates in rounds (beam_decode)
     picks_greedy = False  # the logits come out of transformers' forward: decode_greedy saves nothing
+    picks_top = False  # (and decode_top likewise)
     kv_tokens = 0  # until set_kv_cache: no budget
     caches_prefixes = False  # no prefix cache: every prompt is computed whole
     prefix_store = None
@@ -208,6 +209,11 @@ class TransformersRunner(Runner):
         """decode()'s logits' argmax (transformers makes them inside its forward: picks_greedy is False,
         so the engine takes decode() and its sampler instead)."""
         return self.decode(kv, tokens, between_layers).argmax(-1).tolist()
+
+    def decode_top(self, kv: KvCache, tokens: list[int], width: int, between_layers=None) -> TopLogits:
+        """decode()'s logits' largest (picks_top is False: the engine takes decode() instead)."""
+        logits = self.decode(kv, tokens, between_layers)
+        return top_of_logits(logits, width, logits)
 
     # --- beam search: the prompt's cache copied to every beam (our own engine shares it) ---
 

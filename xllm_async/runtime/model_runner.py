@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..execution.runner import BeamPrefilled, Prefilled, Runner
+from ..execution.runner import BeamPrefilled, Prefilled, Runner, TopLogits, top_of_logits
 from ..model.cpu_linear import WARM_FROM, pack_linears, packed_weights, warm_onednn
 from ..model.forward_context import BeamDecode, Decode, PackedPrefill
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
@@ -81,6 +81,7 @@ class ModelRunner(CachedPrefill, Runner):
         self._beam_topk = choose_beam_topk(device, self.dtype)
         self.vocab_size = shape.vocab
         self.picks_greedy = self.model.picks_greedy  # (our packed LM head fused with the argmax)
+        self.picks_top = self.model.picks_top  # (and with a top-k)
         self.max_model_len = int(shape.max_positions or 2048)
         generation = generation_config(model_dir)
         self.eos_token_ids = eos_ids(self.tokenizer, generation, self.config)
@@ -247,6 +248,17 @@ class ModelRunner(CachedPrefill, Runner):
         hidden = self._forward(tokens, Decode(self.attention, kv), between_layers)
         kv.step()
         return self.model.greedy(hidden).tolist()
+
+    def decode_top(self, kv: SlabCache, tokens: list[int], width: int,
+                   between_layers: Callable[[], None] | None = None) -> TopLogits:
+        """decode(), and each row's `width` largest logits: where picks_top by the LM head's fused
+        top-k (CausalLM.top), else from the logits."""
+        kv.ensure_room()
+        hidden = self._forward(tokens, Decode(self.attention, kv), between_layers)
+        kv.step()
+        if self.picks_top:
+            return TopLogits(*self.model.top(hidden, width), hidden, self.model.packed_lm_head.out_features)
+        return top_of_logits(self.model.logits(hidden), width, hidden)
 
     # --- beam search (execution/beam.py): the prompt's keys once, each beam's own tokens apart ---
 

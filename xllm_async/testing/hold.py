@@ -62,6 +62,10 @@ class HeldRunner:
         self._wait("decode")
         return self._runner.decode_greedy(*args, **kwargs)
 
+    def decode_top(self, *args, **kwargs):  # (a decode step too: a top-k batch's)
+        self._wait("decode")
+        return self._runner.decode_top(*args, **kwargs)
+
     def _wait(self, kind: str) -> None:
         gate = os.path.join(self._folder, kind)
         try:
