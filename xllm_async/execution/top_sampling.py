@@ -26,7 +26,7 @@ reproduced over the few candidates:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -17,8 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantized
-from .cpu_linear import (EXACT_ROWS, PackedWeight, argmax_serves, packed_argmax, packed_linear, packed_topk,
-                         rows_padded, topk_serves)
+from .cpu_linear import (
+    EXACT_ROWS,
+    PackedWeight,
+    argmax_serves,
+    packed_argmax,
+    packed_linear,
+    packed_topk,
+    rows_padded,
+    topk_serves,
+)
 from .layers import (
     PLAIN_OPS,
     GatedMlp,

@@ -12,9 +12,10 @@ block's token ids and its parent's chain key: a wrong hit would need two differe
 One store serves every execution slot (their threads look up and store concurrently): a pool of
 blocks [layers, 2, blocks, BLOCK_TOKENS, kv_heads, head_dim] out of XLLM_KV_CACHE_BYTES,
 evicted least recently used. On a CPU it may use whatever of the budget the slots' arenas have
-not reached, and shrinks when they reach further (fit(): model/kv_budget.py). A batch's cache stays a rectangle of per-sequence slabs
-(kv_cache.py): a hit's blocks are copied into the new sequence's slab before its prefill. A
-prompt's new full blocks are kept on their second sight (admitted(): seen_blocks.py; a prompt that
+not reached, and shrinks when they reach further (fit(): model/kv_budget.py). A batch's cache
+stays a rectangle of per-sequence slabs (kv_cache.py): a hit's blocks are copied into the new
+sequence's slab before its prefill. A prompt's new full blocks are kept on their second sight, or
+at once where its keys go into a slab anyway (admitted(): seen_blocks.py; a one-token prompt that
 never repeats writes nothing), taken before its prefill (reserve) and written by every layer
 straight from the packed rows it computed (BlockWrites, called by PackedPrefill.attend), so a
 prompt that keeps no cache of its own (one token out) needs no slab, and nothing is copied twice;
@@ -37,6 +38,7 @@ import torch
 from .block_pool import BLOCK_TOKENS, BlockPool, BlockWrites, runs_of
 from .kv_cache import KvLayout
 from .seen_blocks import SeenBlocks
+
 
 class PrefixHit:
     """One prompt's lookup: the chain key of each of its full blocks, and the store's blocks that

@@ -26,6 +26,17 @@ from ..model.shared_prefix import shared_split
 class CachedPrefill:
     """ModelRunner's prefill rows, with or without a prefix cache (see the module's docstring)."""
 
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_store is not None
+
+    def match_prefix(self, prompt: list[int]) -> PrefixHit:
+        """Admission (BatchBudget.take): the prompt's longest cached prefix, pinned until release_prefix."""
+        return self.prefix_store.match(prompt)
+
+    def release_prefix(self, hit: PrefixHit) -> None:
+        self.prefix_store.release(hit)
+
     @contextmanager
     def _claimed(self, prompts: list[list[int]], whole: list[bool] | None, held: list | None):
         """With a prefix cache, each prompt's hit (held[i] from admission, else matched now), pinned

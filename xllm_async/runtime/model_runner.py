@@ -23,10 +23,10 @@ from transformers import AutoConfig, AutoTokenizer
 from ..execution.runner import BeamPrefilled, Prefilled, Runner, TopLogits, top_of_logits
 from ..model.cpu_linear import WARM_FROM, pack_linears, packed_weights, warm_onednn
 from ..model.forward_context import BeamDecode, Decode, PackedPrefill
+from ..model.kv_budget import KvBudget
 from ..model.kv_cache import BeamState, KvArena, KvLayout, SlabCache
 from ..model.llama import ModelShape, use_fused_kernels
-from ..model.kv_budget import KvBudget
-from ..model.prefix_cache import BLOCK_TOKENS, PrefixHit, PrefixStore
+from ..model.prefix_cache import BLOCK_TOKENS, PrefixStore
 from ..model.scoring import score_prompt
 from .backends import choose_attention, choose_beam_topk, choose_fused, choose_linear, linear_name, on_host
 from .cached_prefill import CachedPrefill
@@ -109,17 +109,6 @@ class ModelRunner(CachedPrefill, Runner):
         if kernels:
             log.info("%d oneDNN kernels for batches of over %d rows compiled in %.1f s", kernels, WARM_FROM,
                      time.monotonic() - started)
-
-    @property
-    def caches_prefixes(self) -> bool:
-        return self.prefix_store is not None
-
-    def match_prefix(self, prompt: list[int]) -> PrefixHit:
-        """Admission (BatchBudget.take): the prompt's longest cached prefix, pinned until release_prefix."""
-        return self.prefix_store.match(prompt)
-
-    def release_prefix(self, hit: PrefixHit) -> None:
-        self.prefix_store.release(hit)
 
     def set_kv_cache(self, total_bytes: int | None, slots: int, prefix_share: float | None = 0.0,
                      prefix_admit: str = "second") -> None:
