@@ -31,6 +31,7 @@
 #if defined(__AVX512BF16__)
 #include "avx512_bf16.h"
 #include "blocked_linear.h"
+#include "head_rows.h"
 #include "linear_rows.h"
 
 namespace {
@@ -47,6 +48,8 @@ struct Best {
   float* value;
   int32_t* index;
   int64_t* nan;
+
+  Best rows_from(int64_t r) const { return Best{value + r * kLanes, index + r * kLanes, nan + r}; }
 };
 
 // Rows [0, R) of a block's sums (already rounded as the linear stores them) into their bests.
@@ -71,62 +74,6 @@ inline void keep(const __m512 (&sums)[R][kVectors], int64_t n0, int64_t cols, co
   }
 }
 
-inline Best rows_from(const Best& best, int64_t r) {
-  return Best{best.value + r * kLanes, best.index + r * kLanes, best.nan + r};
-}
-
-#if !defined(__AMX_BF16__)
-template <int R>
-void pick_bf16(const uint16_t* a, int64_t k, const uint16_t* w, int64_t n0, int64_t cols, const Best& best) {
-  __m512 sums[R][kVectors];
-  xllm_linear_rows::sums<R, kVectors>(a, k, w, sums);
-  for (int r = 0; r < R; ++r)  // the linear's bias is zero here: + 0 changes no comparison
-    for (int v = 0; v < kVectors; ++v) sums[r][v] = xllm_simd::round_bf16(sums[r][v]);
-  keep<R>(sums, n0, cols, best);
-}
-
-struct PickBf16 {
-  int64_t k;
-  void operator()(const void* a_, int64_t rows, const void* w_, const Best& best, int64_t n0, int64_t cols) const {
-    const auto* a = static_cast<const uint16_t*>(a_);
-    const auto* w = static_cast<const uint16_t*>(w_);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) pick_bf16<4>(a + r * k, k, w, n0, cols, rows_from(best, r));
-    switch (rows - r) {
-      case 3: pick_bf16<3>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      case 2: pick_bf16<2>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      case 1: pick_bf16<1>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      default: break;
-    }
-  }
-};
-#endif
-
-template <int R>
-void pick_f32(const float* a, int64_t k, const float* w, int64_t n0, int64_t cols, const Best& best) {
-  __m512 sums[R][kVectors];
-  xllm_linear_rows::sums<R, kVectors>(a, k, w, sums);
-  keep<R>(sums, n0, cols, best);
-}
-
-struct PickF32 {  // row groups of 6, as linear.cpp's float32 loop
-  int64_t k;
-  void operator()(const void* a_, int64_t rows, const void* w_, const Best& best, int64_t n0, int64_t cols) const {
-    const auto* a = static_cast<const float*>(a_);
-    const auto* w = static_cast<const float*>(w_);
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) pick_f32<6>(a + r * k, k, w, n0, cols, rows_from(best, r));
-    switch (rows - r) {
-      case 5: pick_f32<5>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      case 4: pick_f32<4>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      case 3: pick_f32<3>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      case 2: pick_f32<2>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      case 1: pick_f32<1>(a + r * k, k, w, n0, cols, rows_from(best, r)); break;
-      default: break;
-    }
-  }
-};
-
 // Each thread's share of the column blocks (blocked_linear.h's split for a decode step), a chunk
 // at a time kept in L2 while every row block passes it; then the threads' bests merged per row.
 template <typename Pick>
@@ -149,7 +96,7 @@ at::Tensor pick_all(const char* a, int64_t elem, int64_t m, int64_t k, int64_t n
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
         const int64_t r0 = rb * kRows, rows = std::min(kRows, m - r0);
         for (int64_t cb = c0; cb < c1; ++cb)
-          pick(a + r0 * k * elem, rows, w + cb * block_bytes, rows_from(best, r0), cb * kCols,
+          pick(a + r0 * k * elem, rows, w + cb * block_bytes, best.rows_from(r0), cb * kCols,
                std::min(kCols, n - cb * kCols));
       }
     }
@@ -193,12 +140,12 @@ at::Tensor linear_argmax(const at::Tensor& input, const at::Tensor& packed, int6
   const auto* a = static_cast<const char*>(x.data_ptr());
   const auto* w = static_cast<const char*>(packed.data_ptr());
   if (m == 0) return at::empty({0}, at::kLong);
-  if (f32) return pick_all(a, 4, m, k, n, w, col_blocks, PickF32{k});
+  if (f32) return pick_all(a, 4, m, k, n, w, col_blocks, xllm_head_rows::F32<Best>{k});
 #if defined(__AMX_BF16__)
   TORCH_CHECK(false, "linear_argmax: bfloat16 rows only where the linear runs AVX512-BF16 (not AMX's brgemm)");
   return at::Tensor();
 #else
-  return pick_all(a, 2, m, k, n, w, col_blocks, PickBf16{k});
+  return pick_all(a, 2, m, k, n, w, col_blocks, xllm_head_rows::Bf16<Best>{k});
 #endif
 }
 

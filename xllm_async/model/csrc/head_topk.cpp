@@ -29,6 +29,7 @@
 #if defined(__AVX512BF16__)
 #include "avx512_bf16.h"
 #include "blocked_linear.h"
+#include "head_rows.h"
 #include "linear_rows.h"
 
 namespace {
@@ -99,58 +100,6 @@ void keep(const __m512 (&sums)[R][kVectors], int64_t n0, int64_t cols, const Lis
     }
   }
 }
-
-#if !defined(__AMX_BF16__)
-template <int R>
-void top_bf16(const uint16_t* a, int64_t k, const uint16_t* w, int64_t n0, int64_t cols, const Lists& lists) {
-  __m512 sums[R][kVectors];
-  xllm_linear_rows::sums<R, kVectors>(a, k, w, sums);
-  for (int r = 0; r < R; ++r)  // the linear's bias is zero here: + 0 changes no value
-    for (int v = 0; v < kVectors; ++v) sums[r][v] = xllm_simd::round_bf16(sums[r][v]);
-  keep<R>(sums, n0, cols, lists);
-}
-
-struct TopBf16 {
-  int64_t k;
-  void operator()(const void* a_, int64_t rows, const void* w_, const Lists& lists, int64_t n0, int64_t cols) const {
-    const auto* a = static_cast<const uint16_t*>(a_);
-    const auto* w = static_cast<const uint16_t*>(w_);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) top_bf16<4>(a + r * k, k, w, n0, cols, lists.rows_from(r));
-    switch (rows - r) {
-      case 3: top_bf16<3>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      case 2: top_bf16<2>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      case 1: top_bf16<1>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      default: break;
-    }
-  }
-};
-#endif
-
-template <int R>
-void top_f32(const float* a, int64_t k, const float* w, int64_t n0, int64_t cols, const Lists& lists) {
-  __m512 sums[R][kVectors];
-  xllm_linear_rows::sums<R, kVectors>(a, k, w, sums);
-  keep<R>(sums, n0, cols, lists);
-}
-
-struct TopF32 {  // row groups of 6, as linear.cpp's float32 loop
-  int64_t k;
-  void operator()(const void* a_, int64_t rows, const void* w_, const Lists& lists, int64_t n0, int64_t cols) const {
-    const auto* a = static_cast<const float*>(a_);
-    const auto* w = static_cast<const float*>(w_);
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) top_f32<6>(a + r * k, k, w, n0, cols, lists.rows_from(r));
-    switch (rows - r) {
-      case 5: top_f32<5>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      case 4: top_f32<4>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      case 3: top_f32<3>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      case 2: top_f32<2>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      case 1: top_f32<1>(a + r * k, k, w, n0, cols, lists.rows_from(r)); break;
-      default: break;
-    }
-  }
-};
 
 // Each thread's share of the column blocks (the greedy pick's split), a chunk at a time kept in L2
 // while every row block passes it; then the threads' lists merged per row.
@@ -227,12 +176,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_topk(const at::Tensor& inp
   TORCH_CHECK(width >= 1 && width <= n && width <= 4096, "linear_topk: width 1..min(n, 4096)");
   const auto* a = static_cast<const char*>(x.data_ptr());
   const auto* w = static_cast<const char*>(packed.data_ptr());
-  if (f32) return top_all(a, 4, m, k, n, w, col_blocks, width, TopF32{k});
+  if (f32) return top_all(a, 4, m, k, n, w, col_blocks, width, xllm_head_rows::F32<Lists>{k});
 #if defined(__AMX_BF16__)
   TORCH_CHECK(false, "linear_topk: bfloat16 rows only where the linear runs AVX512-BF16 (not AMX's brgemm)");
   return {};
 #else
-  return top_all(a, 2, m, k, n, w, col_blocks, width, TopBf16{k});
+  return top_all(a, 2, m, k, n, w, col_blocks, width, xllm_head_rows::Bf16<Lists>{k});
 #endif
 }
 
