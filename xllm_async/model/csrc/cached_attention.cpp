@@ -26,17 +26,18 @@ void cached_into(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   const int64_t heads = q.size(1), kv_heads = keys.size(1), dim = q.size(2);
   Packed<T> a{elements<T>(q), nullptr, nullptr, reinterpret_cast<T*>(out.data_ptr()), q.stride(0), 0, 0, heads,
               kv_heads, dim, wide_for<T>(dim), scale};
-  const int64_t items = static_cast<int64_t>(starts.size()) * kv_heads;
-  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+  const std::vector<QueryPiece> pieces =
+      query_pieces(q_lengths, kv_lengths, kv_heads, heads / kv_heads, last_only, xllm_parallel::available_threads());
+  xllm_parallel::claimed_items(static_cast<int64_t>(pieces.size()), [&](const auto& take) {
     Worker<T> w;
-    for (int64_t item = begin; item < end; item += step) {
-      int64_t seq = item / kv_heads, head = item % kv_heads, n = q_lengths[seq], start = starts[seq];
-      const KeySpan<T> kv{elements<T>(keys) + seq * keys.stride(0) + head * keys.stride(1),
-                          elements<T>(values) + seq * values.stride(0) + head * values.stride(1), dim, dim};
-      attend_one(a, w.s, kv, kv_lengths[seq], start, n, head, last_only ? n - 1 : 0, last_only ? seq : start);
+    for (int64_t item; (item = take()) >= 0;) {
+      const QueryPiece& p = pieces[item];
+      const int64_t n = q_lengths[p.seq], start = starts[p.seq];
+      const KeySpan<T> kv{elements<T>(keys) + p.seq * keys.stride(0) + p.head * keys.stride(1),
+                          elements<T>(values) + p.seq * values.stride(0) + p.head * values.stride(1), dim, dim};
+      attend_one(a, w.s, kv, kv_lengths[p.seq], start, n, p.head, p.first, p.end, last_only ? p.seq : start + p.first);
     }
-  };
-  xllm_parallel::interleaved_items(items, run);
+  });
 }
 
 // Prompts whose first keys came from the prefix cache: q [tokens, heads, dim] holds only each

@@ -51,17 +51,18 @@ void varlen_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
   Packed<T> a{elements<T>(q), elements<T>(k), elements<T>(v), reinterpret_cast<T*>(out.data_ptr()),
               q.stride(0), k.stride(0), v.stride(0), heads, kv_heads, dim, wide_for<T>(dim), scale};
-  const int64_t items = static_cast<int64_t>(starts.size()) * kv_heads;
-  auto run = [&](int64_t begin, int64_t end, int64_t step) {
+  const std::vector<QueryPiece> pieces =
+      query_pieces(lengths, lengths, kv_heads, heads / kv_heads, last_only, xllm_parallel::available_threads());
+  xllm_parallel::claimed_items(static_cast<int64_t>(pieces.size()), [&](const auto& take) {
     Worker<T> w;
-    for (int64_t item = begin; item < end; item += step) {
-      int64_t seq = item / kv_heads, head = item % kv_heads, n = lengths[seq], start = starts[seq];
-      const KeySpan<T> kv{a.k + start * a.k_stride + head * dim, a.v + start * a.v_stride + head * dim, a.k_stride,
+    for (int64_t item; (item = take()) >= 0;) {
+      const QueryPiece& p = pieces[item];
+      const int64_t n = lengths[p.seq], start = starts[p.seq];
+      const KeySpan<T> kv{a.k + start * a.k_stride + p.head * dim, a.v + start * a.v_stride + p.head * dim, a.k_stride,
                           a.v_stride};
-      attend_one(a, w.s, kv, n, start, n, head, last_only ? n - 1 : 0, last_only ? seq : start);
+      attend_one(a, w.s, kv, n, start, n, p.head, p.first, p.end, last_only ? p.seq : start + p.first);
     }
-  };
-  xllm_parallel::interleaved_items(items, run);
+  });
 }
 
 // q [tokens, heads, dim], k/v [tokens, kv_heads, dim] (any token stride), prompts of `lengths`
