@@ -106,3 +106,24 @@ def test_a_fixed_share_never_changes(tiny_model_dir):
     before = store.capacity
     runner._arena().view(1, runner.kv_tokens)
     assert store.capacity == before
+
+
+def test_rows_that_end_leave_their_places_to_the_last_and_every_row_keeps_its_keys():
+    from xllm_async.execution.batch import fill_order
+    from xllm_async.model.kv_cache import KvArena, KvLayout, SlabCache
+
+    assert fill_order([0, 1, 3, 4, 5, 6, 7]) == [0, 1, 7, 3, 4, 5, 6]  # one row moves, into the gap
+    assert fill_order([4, 5, 6, 7]) == [4, 5, 6, 7] and fill_order([1, 2, 3]) == [3, 1, 2]
+    assert fill_order([0, 1]) == [0, 1] and fill_order([]) == []
+    cache = SlabCache(KvArena(KvLayout(2, 2, 8, torch.float32), 8 * 40, torch.device("cpu")), 8, 40)
+    lengths = [5, 40, 1, 17, 33, 2, 9, 26]
+    cache.add_rows(lengths, 40)
+    cache.slabs.copy_(torch.randn_like(cache.slabs))
+    before = cache.slabs.clone()
+    for rows in (fill_order([0, 2, 3, 6, 7]), [4, 0, 3], [2, 0]):  # (the last two: orders of any kind)
+        expected = [(before[:, :, row, :, :lengths[row]], lengths[row]) for row in rows]
+        cache.select(rows)
+        assert cache.rows == len(rows) and cache.lengths[:len(rows)].tolist() == [n for _, n in expected]
+        for place, (keys, n) in enumerate(expected):
+            assert torch.equal(cache.slabs[:, :, place, :, :n], keys)
+        before, lengths = cache.slabs.clone(), [n for _, n in expected]

@@ -182,11 +182,23 @@ class GenerationBatch(Batch):
         return items
 
     def _keep(self, rows: list[int]) -> None:
+        """Only these rows (ascending) go on, those above the gaps moved into them (fill_order: their
+        order is no longer the requests', which no step reads)."""
+        rows = fill_order(rows)
         self.requests = [self.requests[i] for i in rows]
         self._next_tokens = [self._next_tokens[i] for i in rows]
         self._controlled = self._controlled and any(r.controls is not None for r in self.requests)
         if rows and self.kv is not None:
             self.kv.select(rows)
+
+
+def fill_order(alive: list[int]) -> list[int]:
+    """The rows `alive` (ascending) in the order that moves the fewest in SlabCache.select: each
+    keeps its place where it is below len(alive), and the rows above fill the places of those gone."""
+    count = len(alive)
+    staying = {row for row in alive if row < count}
+    movers = iter(row for row in alive if row >= count)
+    return [place if place in staying else next(movers) for place in range(count)]
 
 
 def cache_capacity(requests: list[EngineRequest], max_model_len: int) -> int:

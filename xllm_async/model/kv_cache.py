@@ -142,14 +142,21 @@ class SlabCache:
                 raise MemoryError(f"the slot's key/value cache ({self.arena.tokens} tokens) is full")
 
     def select(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order, as rows 0..len-1."""
-        if rows == list(range(len(rows))):
-            self.rows = len(rows)
-        else:
+        """Keep only these rows, in this order, as rows 0..len-1. Where no row moves onto a place
+        that another moving row leaves (execution/batch.py fill_order's orders), only the moving
+        rows are copied, their stored tokens alone, not the batch's whole rectangle through a
+        gathered copy."""
+        moved = [(to, row) for to, row in enumerate(rows) if to != row]
+        if moved:
             index = torch.tensor(rows, device=self.slabs.device)
-            self.slabs[:, :, :len(rows)] = self.slabs[:, :, index]
+            if {to for to, _ in moved}.isdisjoint(row for _, row in moved):
+                for to, row in moved:
+                    stored = int(self.lengths[row])
+                    self.slabs[:, :, to, :, :stored] = self.slabs[:, :, row, :, :stored]
+            else:
+                self.slabs[:, :, :len(rows)] = self.slabs[:, :, index]
             self.lengths[:len(rows)] = self.lengths[index]
-            self.rows = len(rows)
+        self.rows = len(rows)
         self._max_length = int(self.lengths[:self.rows].max()) if self.rows else 0
 
     def _reshape(self, row_capacity: int, capacity: int) -> None:
