@@ -42,6 +42,7 @@ log = logging.getLogger("xllm_async.model")
 # whole and cannot go back and forth between the store and the slots (set_kv_cache).
 ACCELERATOR_PREFIX_SHARE = 0.5
 
+
 class ModelRunner(CachedPrefill, Runner):
     """Our own model code, loaded once, shared read-only by every execution thread;
     each thread keeps its own key/value arena (allocated once, on first use)."""

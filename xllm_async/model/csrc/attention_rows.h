@@ -102,23 +102,22 @@ inline std::vector<QueryPiece> query_pieces(at::IntArrayRef q_lengths, at::IntAr
   // at eight, EPYC Zen 4).
   const double target = threads > 1 ? total / (4.0 * threads) : total + 1;
   const int64_t quantum = kBlockRows / std::gcd<int64_t>(kBlockRows, group);  // queries a piece's whole blocks
-  std::vector<QueryPiece> pieces;
+  std::vector<QueryPiece> pieces, cuts;  // cuts: one sequence's pieces, the same for each of its key heads
   for (int64_t seq = 0; seq < sequences; ++seq) {
     const int64_t n = q_lengths[seq], before = kv_lengths[seq] - n;
-    for (int64_t head = 0; head < kv_heads; ++head) {
-      if (last_only) {
-        pieces.push_back({seq, head, n - 1, n, static_cast<double>(before + n)});
-        continue;
-      }
-      int64_t start = 0;
-      while (start < n) {
-        int64_t end = start + quantum;
-        while (end < n && work_of(before, start, end) < target) end += quantum;
-        end = std::min(end, n);
-        pieces.push_back({seq, head, start, end, work_of(before, start, end)});
-        start = end;
-      }
+    cuts.clear();
+    if (last_only) cuts.push_back({seq, 0, n - 1, n, static_cast<double>(before + n)});
+    for (int64_t start = 0, end; !last_only && start < n; start = end) {
+      end = start + quantum;
+      while (end < n && work_of(before, start, end) < target) end += quantum;
+      end = std::min(end, n);
+      cuts.push_back({seq, 0, start, end, work_of(before, start, end)});
     }
+    for (int64_t head = 0; head < kv_heads; ++head)
+      for (QueryPiece piece : cuts) {
+        piece.head = head;
+        pieces.push_back(piece);
+      }
   }
   std::stable_sort(pieces.begin(), pieces.end(), [](const QueryPiece& x, const QueryPiece& y) { return x.work > y.work; });
   return pieces;
