@@ -95,3 +95,30 @@ def test_a_rows_answer_is_the_same_bits_alone_or_among_any_rows_on_any_threads(t
                 threads(t)
                 out = attend(q[:count], keys[:count], values[:count], reads, scale)
                 assert torch.equal(out[place], alone[place]), (n, count, place, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_that_share_a_prefix_read_one_copy_of_it_and_answer_the_same_bits(threads, dtype):
+    """SlabCache.sharing: rows 1 and 2 read their first 1,024 keys from row 0's copy, row 4 its first
+    512 from row 3's. Where the copies are equal the answers are the same bits as each row reading
+    its own, on one thread or two; with the followers' own copies wiped, still the same (they read
+    the source's); a source outside the rows, or more shared keys than a row holds, is refused."""
+    heads, kv_heads, dim, scale = 9, 3, 64, 0.125
+    keys, values = cache(5, kv_heads, dim, dtype, seed=11)
+    for row, source, shared in ((1, 0, 1024), (2, 0, 1024), (4, 3, 512)):
+        keys[row, :, :shared], values[row, :, :shared] = keys[source, :, :shared], values[source, :, :shared]
+    q = queries(5, heads, dim, dtype, seed=12)
+    reads = torch.tensor([1100, 1030, 1600, 700, 513])
+    sharing = torch.tensor([[0, 0, 0, 3, 3], [0, 1024, 1024, 0, 512]])
+    attend = cpu_kernels.decode_attention()
+    own = attend(q, keys, values, reads, scale)
+    for t in (1, 2):
+        threads(t)
+        assert torch.equal(attend(q, keys, values, reads, scale, sharing), own)
+    for row, shared in ((1, 1024), (2, 1024), (4, 512)):
+        keys[row, :, :shared], values[row, :, :shared] = 0, 0
+    assert torch.equal(attend(q, keys, values, reads, scale, sharing), own)
+    for bad in ([[0, 5, 0, 3, 3], [0, 1024, 1024, 0, 512]], [[0, 0, 0, 3, 3], [0, 1031, 1024, 0, 512]],
+                [[0, 0, 0, 3, 4], [0, 1024, 1024, 0, 701]]):
+        with pytest.raises(RuntimeError, match="sharing"):
+            attend(q, keys, values, reads, scale, torch.tensor(bad))

@@ -127,3 +127,21 @@ def test_rows_that_end_leave_their_places_to_the_last_and_every_row_keeps_its_ke
         for place, (keys, n) in enumerate(expected):
             assert torch.equal(cache.slabs[:, :, place, :, :n], keys)
         before, lengths = cache.slabs.clone(), [n for _, n in expected]
+
+
+def test_rows_with_a_prefix_in_common_read_the_first_such_rows_copy_wherever_the_rows_move():
+    """SlabCache.mark / sharing: a row reads its longest marked prefix from the first row that has it;
+    when rows end and others move into their places, the sources follow; a row alone shares nothing."""
+    from xllm_async.model.kv_cache import SHARED_SPAN, KvArena, KvLayout, SlabCache
+
+    cache = SlabCache(KvArena(KvLayout(1, 1, 8, torch.float32), 8 * 2000, torch.device("cpu")), 8, 2000)
+    cache.add_rows([1100, 600, 1500, 1200, 40], 2000)
+    assert cache.sharing is None
+    cache.mark(0, [[11, 12], [11], [21, 22], [11, 12], []])
+    assert cache.sharing.tolist() == [[0, 0, 2, 0, 4], [0, SHARED_SPAN, 0, 2 * SHARED_SPAN, 0]]
+    cache.select([1, 2, 3, 4])  # (row 0 ended: its followers read row 1's copy now, as far as it goes)
+    assert cache.sharing.tolist() == [[0, 1, 0, 3], [0, 0, SHARED_SPAN, 0]]
+    cache.add_rows([1300], 2000)  # (a row whose prompt is not marked shares nothing)
+    assert cache.sharing.tolist() == [[0, 1, 0, 3, 4], [0, 0, SHARED_SPAN, 0, 0]]
+    cache.select([2])
+    assert cache.sharing is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xllm_async.model.kv_cache import SHARED_SPAN
 from xllm_async.model.prefix_cache import BLOCK_TOKENS, PrefixHit, chain_keys
 from xllm_async.model.shared_prefix import MIN_SHARED_BLOCKS, shared_split
 
@@ -106,3 +107,35 @@ def test_scored_batches_are_not_split(runner):
         with store_aside(runner):
             cold = runner.prefill_scored(prompts, 80, None, [1, None])
     assert warm.cached == [0, 0] and torch.equal(warm.logits, cold.logits)
+
+
+@pytest.fixture(scope="module")
+def long_runner(tmp_path_factory):
+    """The small random Qwen3 (heads 32 wide: our decode kernel takes them, the tiny model's 16 not)
+    with room for prompts of a few spans."""
+    from xllm_async.testing.random_model import build_qwen3
+
+    folder = build_qwen3(str(tmp_path_factory.mktemp("models") / "small-qwen3"), "small",
+                         max_position_embeddings=4 * SHARED_SPAN)
+    return make_runner(folder)
+
+
+@pytest.mark.kernel("decode attention")
+def test_rows_that_share_a_system_prompt_read_one_copy_of_it_in_decode_steps_bit_for_bit(long_runner):
+    """Rows whose prompts begin with the same SHARED_SPAN multiples read that prefix's keys from the
+    first such row's slab (SlabCache.sharing, the decode kernel's and the native step's): the same
+    logits at every step as the cold batch, where each row reads its own."""
+    runner = long_runner
+    S = SHARED_SPAN
+    system, other = random_prompts(50, [2 * S + 7, S + 3])
+    prompts = [system + q for q in random_prompts(51, [10, 33])] + [other, system[:S] + [9, 9, 9]]
+    expected, _ = run(runner, prompts, steps=5, cold=True)
+    with torch.inference_mode():
+        prefilled = runner.prefill(prompts, capacity=max(map(len, prompts)) + 5)
+        kv, logits = prefilled.cache, prefilled.logits
+        assert kv.sharing.tolist() == [[0, 0, 2, 0], [0, 2 * S, 0, S]]
+        steps = [logits]
+        for _ in range(4):
+            logits = runner.decode(kv, logits.argmax(-1).tolist())
+            steps.append(logits)
+    assert torch.equal(torch.stack(steps), expected)

@@ -226,7 +226,7 @@ class CpuKernelAttention(SdpaAttention):
     def decode(self, ctx, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         if self.decode_kernel is None:
             return super().decode(ctx, q, keys, values, scale)
-        return self.decode_kernel(q, keys, values, ctx.reads, scale).view(q.shape[0], -1)
+        return self.decode_kernel(q, keys, values, ctx.reads, scale, ctx.sharing).view(q.shape[0], -1)
 
     def beam_prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_out: torch.Tensor,
                     own_lse: torch.Tensor, scale: float) -> torch.Tensor:

@@ -99,11 +99,12 @@ class PackedPrefill:
 class Decode:
     """One token per live row of a SlabCache: its keys go to position lengths[row]."""
 
-    __slots__ = ("backend", "cache", "positions", "rows", "runs", "reads", "slots", "mask")
+    __slots__ = ("backend", "cache", "positions", "rows", "runs", "reads", "slots", "mask", "sharing")
 
     def __init__(self, backend: AttentionBackend, cache: SlabCache) -> None:
         self.backend = backend  # (attention_backends.py)
         self.cache = cache
+        self.sharing = cache.sharing  # rows that read a shared prefix's one copy (our CPU kernel)
         self.rows = cache.rows
         self.positions = cache.lengths[:self.rows].clone()
         self.reads = self.positions + 1  # keys each row reads, its new one included
@@ -125,8 +126,8 @@ class Decode:
 
     def native_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """What a native decode step (csrc/small_step.cpp) needs of this step's keys: the slabs,
-        where each new key goes, how many each row reads; None where its attention is not our
-        decode kernel (that step runs in Python)."""
+        where each new key goes, how many each row reads (and `sharing`); None where its attention
+        is not our decode kernel (that step runs in Python)."""
         if self.backend.decode_kernel is None:
             return None
         return self.cache.slabs, self.slots, self.reads

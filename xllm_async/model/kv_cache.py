@@ -81,11 +81,20 @@ class KvArena:
                                                      lay.head_dim)
 
 
+# A decode step reads a row's keys in spans of this many (csrc/decode_keys.h kChunk); rows that
+# share a prompt's prefix share it in whole spans (SlabCache.sharing).
+SHARED_SPAN = 512
+
+
 class SlabCache:
     """The cache of one batch: `rows` live sequences, each with `lengths[row]`
-    tokens stored in its slab of `capacity` tokens."""
+    tokens stored in its slab of `capacity` tokens.
 
-    __slots__ = ("arena", "slabs", "rows", "lengths", "_max_length")
+    Rows whose prompts begin alike (a system prompt, found in the prefix cache) hold equal copies
+    of that prefix's keys; `sharing` tells a decode step's attention to read one copy of it for all
+    of them, a prefix read from memory once a layer rather than once a row (mark)."""
+
+    __slots__ = ("arena", "slabs", "rows", "lengths", "_max_length", "marks", "sharing")
 
     def __init__(self, arena: KvArena, row_capacity: int, capacity: int) -> None:
         self.arena = arena
@@ -93,6 +102,12 @@ class SlabCache:
         self.rows = 0
         self.lengths = torch.zeros(row_capacity, dtype=torch.long, device=arena.device)
         self._max_length = 0
+        # Each row's marks: the chain key (prefix_cache.chain_keys) of its prompt's first
+        # SHARED_SPAN * (i + 1) tokens at i; none where unknown (no prefix cache).
+        self.marks: list[list[int]] = []
+        # int64 [2, rows] on the CPU: each row's source row, then the keys [0, n) it reads from the
+        # source's copy (csrc/decode_attend.h); None where no row shares.
+        self.sharing: torch.Tensor | None = None
 
     @property
     def row_capacity(self) -> int:
@@ -126,7 +141,33 @@ class SlabCache:
         self.lengths[first:need_rows] = torch.tensor(lengths, dtype=torch.long)
         self.rows = need_rows
         self._max_length = max(self._max_length, max(lengths))
+        self.marks[first:] = [[] for _ in lengths]
+        self._share()
         return first
+
+    def mark(self, first: int, marks: list[list[int]]) -> None:
+        """Rows first.. now hold their prompts' keys, whose prefixes have these marks (each prompt's
+        prefix_cache.span_marks). Equal marks mean equal tokens; their keys are equal copies where
+        one row's came from the prefix cache's blocks that the other computed or also found, and
+        where neither did, two computations of the same tokens, either one what a prefix cache
+        hit would have given."""
+        self.marks[first:first + len(marks)] = marks
+        self._share()
+
+    def _share(self) -> None:
+        """sharing, from the rows' marks: each row reads its longest marked prefix that an earlier
+        row also has from the first row that has it."""
+        owners: dict[int, int] = {}
+        sources, shared = list(range(self.rows)), [0] * self.rows
+        for row, marks in enumerate(self.marks):
+            for depth in range(len(marks) - 1, -1, -1):
+                owner = owners.get(marks[depth])
+                if owner is not None:
+                    sources[row], shared[row] = owner, (depth + 1) * SHARED_SPAN
+                    break
+            for mark in marks:
+                owners.setdefault(mark, row)
+        self.sharing = torch.tensor([sources, shared], dtype=torch.long) if any(shared) else None
 
     def step(self) -> None:
         """Every live row gained one token (a decode step wrote it)."""
@@ -158,6 +199,8 @@ class SlabCache:
             self.lengths[:len(rows)] = self.lengths[index]
         self.rows = len(rows)
         self._max_length = int(self.lengths[:self.rows].max()) if self.rows else 0
+        self.marks = [self.marks[row] for row in rows]
+        self._share()
 
     def _reshape(self, row_capacity: int, capacity: int) -> None:
         # The arena is one buffer: copy what lives out, re-view it, copy back (only when a

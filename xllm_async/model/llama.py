@@ -265,7 +265,8 @@ class SmallStep:
             # The whole loop in one call (csrc/small_step.cpp): between_layers once, after it (the
             # step loop asks before every step too; a step is too short to widen in).
             weights, eps, sizes, scale, formats = self.native
-            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale, formats, TEAM_STEP)
+            x = torch.ops.xllm.small_step(x, cos, sin, weights, eps, sizes, *cache, scale, formats, TEAM_STEP,
+                                          ctx.sharing)
             if between_layers is not None:
                 between_layers()
             return x

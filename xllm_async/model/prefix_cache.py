@@ -36,7 +36,7 @@ from collections import OrderedDict
 import torch
 
 from .block_pool import BLOCK_TOKENS, BlockPool, BlockWrites, runs_of
-from .kv_cache import KvLayout
+from .kv_cache import SHARED_SPAN, KvLayout
 from .seen_blocks import SeenBlocks
 
 
@@ -54,6 +54,12 @@ class PrefixHit:
     def tokens(self) -> int:
         """Tokens of the prompt its cached blocks hold."""
         return len(self.blocks) * BLOCK_TOKENS
+
+
+def span_marks(keys: list[int]) -> list[int]:
+    """A prompt's marks for SlabCache.mark, from its chain_keys: that of each whole SHARED_SPAN."""
+    step = SHARED_SPAN // BLOCK_TOKENS
+    return keys[step - 1::step]
 
 
 def chain_keys(prompt: list[int]) -> list[int]:

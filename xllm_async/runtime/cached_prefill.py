@@ -19,7 +19,7 @@ import torch
 from ..model.candidate_prefill import CandidatePrefill
 from ..model.forward_context import PackedPrefill
 from ..model.kv_cache import SlabCache
-from ..model.prefix_cache import PrefixHit
+from ..model.prefix_cache import PrefixHit, span_marks
 from ..model.shared_prefix import shared_split
 
 
@@ -114,4 +114,6 @@ class CachedPrefill:
             raise
         if stored is not None:
             store.commit(stored)
+        if cache is not None and hits:  # (rows whose prompts begin alike: decode reads one copy)
+            cache.mark(first, [span_marks(hit.keys) for hit in hits])
         return hidden, ctx, (skips if store is not None else None)

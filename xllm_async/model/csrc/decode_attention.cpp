@@ -1,6 +1,7 @@
 // A decode step's attention on CPU, in bfloat16 or float32: one new query per row against its own
 // slab of the cache, every row in one call (model/attention.py Decode; built with cpu_kernels.cpp
-// into one library).
+// into one library). Rows whose prompts begin alike may read that prefix from one row's slab
+// (`sharing`, decode_keys.h Step::source): read from memory once a layer, not once a row.
 //
 // Rows of a continuous batch have different lengths, and torch's fused kernel took a call per run
 // of equal lengths, ~28 us each (one row, 3 key heads of 64, 256 keys): with 8 clients, 8 calls a
@@ -45,10 +46,15 @@ using namespace xllm_decode;
 template <typename T>
 using Attend = void (*)(const Step<T>&, int64_t, int64_t, int64_t, int64_t, float*);
 
+// The item's code for this many query heads a key head and this head width: compiled for widths
+// of 64 and 128 (every model here), else taking it at run time.
 template <typename T, int... G>
-Attend<T> for_group(int64_t group, std::integer_sequence<int, G...>) {
-  Attend<T> table[] = {&attend_keys<T, G + 1>...};
-  return table[group - 1];
+Attend<T> for_shape(int64_t group, int64_t dim, std::integer_sequence<int, G...>) {
+  constexpr int step = static_cast<int>(Dot<T>::kStep);
+  Attend<T> any[] = {&attend_keys<T, G + 1, 0>...};
+  Attend<T> of_64[] = {&attend_keys<T, G + 1, 64 / step>...};
+  Attend<T> of_128[] = {&attend_keys<T, G + 1, 128 / step>...};
+  return (dim == 64 ? of_64 : dim == 128 ? of_128 : any)[group - 1];
 }
 
 // A row's spans, in order: its keys' weighted values are the spans' weighted values, each scaled
@@ -95,13 +101,13 @@ struct Merge {
 // an item changes nothing in it.
 template <typename T>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* n,
-                 at::Tensor& out, double scale) {
+                 const int64_t* source, const int64_t* shared, at::Tensor& out, double scale) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(1);
   const int64_t group = heads / kv_heads;
   const Step<T> a{reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(keys.data_ptr()),
                   reinterpret_cast<const T*>(values.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), n,
                   q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-                  heads, kv_heads, dim, static_cast<float>(scale)};
+                  heads, kv_heads, dim, static_cast<float>(scale), source, shared};
   int64_t count = 0;
   for (int64_t row = 0; row < rows; ++row) count += kv_heads * ((n[row] + kChunk - 1) / kChunk);
   std::vector<Item> items;
@@ -125,7 +131,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[merges.size()]);
   for (size_t m = 0; m < merges.size(); ++m) left[m].store(merges[m].spans, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
-  const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
+  const Attend<T> attend = for_shape<T>(group, a.dim, std::make_integer_sequence<int, kMaxGroup>{});
   auto run = [&] {
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
@@ -148,10 +154,11 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 }
 
 // q [rows, heads, dim]; keys/values [rows.., kv_heads, capacity, dim] (a slab view: tokens dim
-// apart), all bfloat16 or all float32; lengths [rows] int64: the keys each row reads ->
+// apart), all bfloat16 or all float32; lengths [rows] int64: the keys each row reads; sharing:
+// rows that read a shared prefix from another row's copy (decode_attend.h sharing_lists) ->
 // [rows, heads, dim].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& lengths, double scale) {
+                            const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& sharing) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "q, keys and values must be bfloat16 or float32");
   for (const at::Tensor* x : {&q, &keys, &values}) {
@@ -167,11 +174,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == rows, "lengths: int64 [rows]");
   const int64_t* n = lengths.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(n[r] > 0 && n[r] <= keys.size(2), "a row reads 1..capacity keys");
+  const int64_t *source, *shared;
+  TORCH_CHECK(sharing_lists(sharing, rows, n, source, shared),
+              "sharing: int64 [2, rows], sources among the rows, at most the keys both rows read");
   auto out = at::empty({rows, heads, dim}, q.options());
   if (dtype == at::kFloat) {
-    attend_rows<float>(q, keys, values, n, out, scale);
+    attend_rows<float>(q, keys, values, n, source, shared, out, scale);
   } else {
-    attend_rows<bf16>(q, keys, values, n, out, scale);
+    attend_rows<bf16>(q, keys, values, n, source, shared, out, scale);
   }
   return out;
 }
@@ -186,7 +196,7 @@ namespace xllm_decode {
 template <typename T>
 void attend_item(const Step<T>& a, int64_t row, int64_t kv_head, std::vector<float>& partials) {
   const int64_t group = a.heads / a.kv_heads, n = a.lengths[row];
-  const Attend<T> attend = for_group<T>(group, std::make_integer_sequence<int, kMaxGroup>{});
+  const Attend<T> attend = for_shape<T>(group, a.dim, std::make_integer_sequence<int, kMaxGroup>{});
   if (n <= kChunk) {
     attend(a, row, kv_head, 0, n, nullptr);
     return;
@@ -204,7 +214,8 @@ template void attend_item<float>(const Step<float>&, int64_t, int64_t, std::vect
 }  // namespace xllm_decode
 
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale, Tensor? sharing=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xllm, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -37,7 +37,8 @@ struct Ops {
   // (registered only where the CPU has AVX512-VNNI: a model asks for it only where it verified)
   std::optional<c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::string&, const Maybe&, int64_t)>>
       quant_linear;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)> attention;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, const Maybe&)>
+      attention;
 };
 
 template <typename Signature>
@@ -60,7 +61,8 @@ const Ops& ops() {  // found once, at the first step (every operator is register
       handle<Tensor(const Tensor&)>("xllm::silu_mul"),
       handle<Tensor(const Tensor&, const Tensor&, const Maybe&, int64_t)>("xllm::linear"),
       maybe_handle<Tensor(const Tensor&, const Tensor&, const std::string&, const Maybe&, int64_t)>("xllm::quant_linear"),
-      handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>("xllm::decode_attention"),
+      handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, const Maybe&)>(
+          "xllm::decode_attention"),
   };
   return found;
 }
@@ -70,10 +72,12 @@ const Ops& ops() {  // found once, at the first step (every operator is register
 // norm's; eps: kEpsEntries a layer, then the final norm's; slabs: the batch's cache [layers, 2,
 // rows.., kv_heads, capacity, head_dim]; slots: where each (row, key head)'s new key goes in a
 // layer's slab seen as [tokens, head_dim]; reads: the keys each row reads, its new one included;
-// formats: kLinears a layer (or none: every linear packed for csrc/linear.cpp).
+// formats: kLinears a layer (or none: every linear packed for csrc/linear.cpp); sharing: rows that
+// read a shared prefix from another row's copy (decode_attend.h), or None.
 Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, const c10::List<Maybe>& weights,
                   at::ArrayRef<double> eps, at::IntArrayRef sizes, const Tensor& slabs, const Tensor& slots,
-                  const Tensor& reads, double scale, const std::vector<std::string>& formats, bool team) {
+                  const Tensor& reads, double scale, const std::vector<std::string>& formats, bool team,
+                  const Maybe& sharing) {
   TORCH_CHECK(sizes.size() == kSizes, "small_step: sizes holds ", int64_t(kSizes), " values");
   const int64_t layers = sizes[kLayers], dim = sizes[kHeadDim];
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kEntries + 1 &&
@@ -84,7 +88,7 @@ Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, cons
   TORCH_CHECK(slabs.dim() == 6 && slabs.size(0) == layers && slabs.size(1) == 2 && slabs.size(5) == dim,
               "small_step: slabs [layers, 2, rows, kv_heads, capacity, head_dim]");
   if (team && formats.empty()) {  // (every linear packed for ours: one OpenMP team for the step, where it runs)
-    if (auto out = team_step(x_in, cos, sin, weights, eps, sizes, slabs, slots, reads, scale)) return *out;
+    if (auto out = team_step(x_in, cos, sin, weights, eps, sizes, slabs, slots, reads, scale, sharing)) return *out;
   }
   const auto& op = ops();
   const std::vector<int64_t> split{sizes[kQSize], sizes[kKvSize], sizes[kKvSize]};
@@ -114,7 +118,7 @@ Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, cons
     Tensor keys = slab.select(0, 0), values = slab.select(0, 1);
     keys.view(flat).index_copy_(0, slots, k.reshape(flat));  // (attention.Decode.attend)
     values.view(flat).index_copy_(0, slots, v.reshape(flat));
-    Tensor attn = op.attention.call(q, keys, values, reads, scale).view({q.size(0), -1});
+    Tensor attn = op.attention.call(q, keys, values, reads, scale, sharing).view({q.size(0), -1});
     auto [sum, normed] = op.add_rms_norm.call(linear(attn, layer, kOLinear, kO, kOBias, hidden), x, must(layer, kPostNorm),
                                               e[kPostEps]);
     Tensor gate_up = linear(normed, layer, kGateUpLinear, kGateUp, kGateUpBias, 2 * sizes[kIntermediate]);
@@ -127,7 +131,7 @@ Tensor small_step(const Tensor& x_in, const Tensor& cos, const Tensor& sin, cons
 
 TORCH_LIBRARY_FRAGMENT(xllm, m) {
   m.def("small_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] weights, float[] eps, int[] sizes, Tensor slabs, "
-        "Tensor slots, Tensor reads, float scale, str[] formats, bool team=True) -> Tensor");
+        "Tensor slots, Tensor reads, float scale, str[] formats, bool team=True, Tensor? sharing=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xllm, CPU, m) { m.impl("small_step", &small_step); }

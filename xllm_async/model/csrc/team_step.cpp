@@ -62,7 +62,7 @@ struct Shape {
 template <typename T>
 at::Tensor run(const at::Tensor& x_in, const float* cos, const float* sin, const std::vector<LayerRefs>& layers,
                const T* final_norm, float final_eps, const Shape& s, const at::Tensor& slabs, const int64_t* slots,
-               const int64_t* reads, float scale) {
+               const int64_t* reads, const int64_t* source, const int64_t* shared, float scale) {
   using namespace xllm_elementwise;
   using xllm_linear_rows::share_of_linear;
   const int64_t rows = s.rows, hidden = s.hidden, dim = s.dim, kv_heads = s.kv_heads;
@@ -99,7 +99,7 @@ at::Tensor run(const at::Tensor& x_in, const float* cos, const float* sin, const
       T* keys = slab_base + index * slabs.stride(0);
       T* values = keys + slabs.stride(1);
       const xllm_decode::Step<T> a{q_p, keys, values, attn_p, reads, s.q_size, dim, slabs.stride(2), slabs.stride(3),
-                                   slabs.stride(2), slabs.stride(3), s.heads, kv_heads, dim, scale};
+                                   slabs.stride(2), slabs.stride(3), s.heads, kv_heads, dim, scale, source, shared};
       for (int64_t item = t; item < rows * kv_heads; item += nt) {  // (row, key head), interleaved
         const int64_t row = item / kv_heads, head = item % kv_heads;
         const float *cr = cos + row * dim, *sr = sin + row * dim;
@@ -151,7 +151,7 @@ at::Tensor run(const at::Tensor& x_in, const float* cos, const float* sin, const
 std::optional<at::Tensor> team_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                     const c10::List<Maybe>& weights, at::ArrayRef<double> eps, at::IntArrayRef sizes,
                                     const at::Tensor& slabs, const at::Tensor& slots, const at::Tensor& reads,
-                                    double scale) {
+                                    double scale, const Maybe& sharing) {
   const auto dtype = x.scalar_type();
   const Shape s{x.size(0), x.size(1), sizes[kQSize], sizes[kKvSize], sizes[kHeads], sizes[kKvHeads], sizes[kHeadDim],
                 sizes[kIntermediate]};
@@ -173,6 +173,8 @@ std::optional<at::Tensor> team_step(const at::Tensor& x, const at::Tensor& cos, 
     if (slot[i] < 0 || slot[i] >= tokens) return std::nullopt;
   for (int64_t r = 0; r < s.rows; ++r)
     if (read[r] < 1 || read[r] > capacity) return std::nullopt;
+  const int64_t *source, *shared;
+  if (!xllm_decode::sharing_lists(sharing, s.rows, read, source, shared)) return std::nullopt;
   std::vector<at::Tensor> biases;  // (float32 copies, kept alive for the call)
   auto tensor = [&](int64_t layer, Entry e) { return weights.get(layer * kEntries + e); };
   auto norm = [&](int64_t layer, Entry e, int64_t n, bool needed, bool& ok) -> const void* {
@@ -219,10 +221,10 @@ std::optional<at::Tensor> team_step(const at::Tensor& x, const at::Tensor& cos, 
   team_steps_run.fetch_add(1, std::memory_order_relaxed);
   if (dtype == at::kFloat)
     return run<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), refs, final_norm->data_ptr<float>(), final_eps,
-                      s, slabs, slot, read, static_cast<float>(scale));
+                      s, slabs, slot, read, source, shared, static_cast<float>(scale));
   return run<bf16>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), refs,
-                   reinterpret_cast<const bf16*>(final_norm->data_ptr()), final_eps, s, slabs, slot, read,
-                   static_cast<float>(scale));
+                   reinterpret_cast<const bf16*>(final_norm->data_ptr()), final_eps, s, slabs, slot, read, source,
+                   shared, static_cast<float>(scale));
 }
 
 }  // namespace xllm_step
@@ -234,7 +236,7 @@ namespace xllm_step {
 std::optional<at::Tensor> team_step(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<double>,
                                     at::IntArrayRef, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    double) {
+                                    double, const std::optional<at::Tensor>&) {
   return std::nullopt;
 }
 

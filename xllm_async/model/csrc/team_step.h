@@ -27,6 +27,6 @@ enum Linear : int64_t { kQkvLinear, kOLinear, kGateUpLinear, kDownLinear, kLinea
 std::optional<at::Tensor> team_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                     const c10::List<std::optional<at::Tensor>>& weights, at::ArrayRef<double> eps,
                                     at::IntArrayRef sizes, const at::Tensor& slabs, const at::Tensor& slots,
-                                    const at::Tensor& reads, double scale);
+                                    const at::Tensor& reads, double scale, const std::optional<at::Tensor>& sharing);
 
 }  // namespace xllm_step
