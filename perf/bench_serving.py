@@ -162,6 +162,10 @@ def make_random_prompts(tokenizer, num: int, input_len: int, output_len: int, ra
     return prompts
 
 
+# generated-shared-prefix as the peers' comparison runs it: system prompt, question, questions a group
+SHARED_PREFIX = (1024, 64, 16)
+
+
 def make_shared_prefix_prompts(tokenizer, groups: int, per_group: int, system_len: int, question_len: int,
                                output_len: int, seed: int = 0, prompt_format: str = "ids") -> list[Prompt]:
     """SGLang's `generated-shared-prefix` dataset: `groups` system prompts of system_len random

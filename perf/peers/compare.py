@@ -301,7 +301,6 @@ WORKLOADS = {  # issue 14's peers table, and issue 15's beams
     # (vLLM's is on by default).
     "shared_prefix": Workload("shared_prefix", SMOLLM2, 1088, 16, 1.0, (8,), 256),
 }
-SHARED_PREFIX = (1024, 64, 16)  # system prompt, question, questions a group
 
 
 def workloads_for(args: argparse.Namespace) -> list[Workload]:
@@ -341,7 +340,7 @@ def prompt_sets(tokenizer, workload: Workload, args: argparse.Namespace) -> dict
     194 req/s against the 73 of a fresh server."""
     def make(count: int, seed: int) -> list:
         if workload.name == "shared_prefix":  # (each set its own system prompts: nothing cached across sets)
-            system, question, per_group = SHARED_PREFIX
+            system, question, per_group = bench.SHARED_PREFIX
             return bench.make_shared_prefix_prompts(tokenizer, max(1, count // per_group), per_group, system,
                                                     question, workload.random_output, seed)
         return bench.make_random_prompts(tokenizer, count, workload.random_input, workload.random_output,
