@@ -12,8 +12,8 @@ that what a start lands on is sampled too.
 Every burst's prompts are random tokens (--input-len in, --output-len out) drawn afresh, so nothing
 repeats within a server or between bursts; or, `--dataset shared_prefix`, SGLang's
 generated-shared-prefix (bench_serving.make_shared_prefix_prompts: a burst of --burst prompts in
-groups of 16 behind a 1,024-token system prompt, 64-token questions, --output-len out), each burst
-its own system prompts. Both servers of a pair get the same prompts. Reported:
+groups of 16 (--per-group) behind a 1,024-token system prompt, 64-token questions, --output-len
+out), each burst its own system prompts. Both servers of a pair get the same prompts. Reported:
 each burst's requests a second, each pair's ratio b / a, their median and range, and the pooled
 ratio (all b's requests over all b's seconds, against a's).
 """
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restarts", type=int, default=3, help="fresh pairs of servers, the pairs split between them")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured bursts to each server after a start")
     parser.add_argument("--dataset", choices=("random", "shared_prefix"), default="random")
+    parser.add_argument("--per-group", type=int, default=bench.SHARED_PREFIX[2],
+                        help="shared_prefix: prompts behind each system prompt (a burst of one group: one shared by all)")
     parser.add_argument("--input-len", type=int, default=320)
     parser.add_argument("--output-len", type=int, default=1)
     parser.add_argument("--target", type=float, default=0.97, help="the ratio b / a to reach")
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = bench.load_tokenizer(model)
     bursts = args.pairs + args.warmup * args.restarts
     if args.dataset == "shared_prefix":  # (a burst's groups of its own: nothing cached from an earlier burst)
-        system, question, per_group = bench.SHARED_PREFIX
+        system, question, _ = bench.SHARED_PREFIX
+        per_group = args.per_group
         prompts = [p for b in range(bursts) for p in bench.make_shared_prefix_prompts(
             tokenizer, max(1, args.burst // per_group), per_group, system, question, args.output_len, seed=1000 + b)]
         args.burst = len(prompts) // bursts
