@@ -31,17 +31,19 @@ from xllm_async.runtime.model_runner import ModelRunner
 MODEL = os.path.expanduser("~/.cache/xllm_async/SmolLM2-135M-Instruct")
 
 
-def run(runner: ModelRunner, prompts: list[list[int]], out: int, concurrency: int) -> dict[str, float]:
-    """Every prompt, `concurrency` a cycle as the served run takes them: seconds in each phase."""
+def run(runner: ModelRunner, prompts: list[list[int]], out: int, concurrency: int,
+        together: bool = False) -> dict[str, float]:
+    """Every prompt, `concurrency` a cycle as the served run takes them: seconds in each phase.
+    together: each cycle's prompts prefilled as one batch (no lone first one)."""
     spent = {"lone": 0.0, "joined": 0.0, "decode": 0.0}
     for start in range(0, len(prompts), concurrency):
         cycle = prompts[start:start + concurrency]
         capacity = max(len(p) for p in cycle) + out
         began = time.perf_counter()
-        first = runner.prefill(cycle[:1], capacity)
+        first = runner.prefill(cycle if together else cycle[:1], capacity)
         tokens, kv = argmax_rows(first.logits), first.cache
         joined = time.perf_counter()
-        if len(cycle) > 1:
+        if len(cycle) > 1 and not together:
             tokens += argmax_rows(runner.prefill(cycle[1:], capacity, kv).logits)
         decoding = time.perf_counter()
         for _ in range(out - 1):
@@ -60,6 +62,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--profile", action="store_true", help="torch.profiler's table over one more run")
+    parser.add_argument("--together", action="store_true",
+                        help="runs alternate with each cycle's prompts prefilled as one batch (no lone first one)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     runner = ModelRunner(MODEL, torch.device("cpu"), "bfloat16")
@@ -72,11 +76,15 @@ def main() -> None:
         results = []
         for seed in range(1, args.runs + 1):  # (each run its own system prompts: nothing cached from before)
             prompts = bench.make_shared_prefix_prompts(tokenizer, args.groups, 16, 1024, 64, out, seed)
-            spent = run(runner, [p.prompt for p in prompts], out, args.concurrency)
-            results.append(spent)
-            print("  ".join(f"{k} {v:6.2f} s" for k, v in spent.items()), f" {len(prompts) / spent['total']:.2f} req/s",
-                  flush=True)
-        print("median:", "  ".join(f"{k} {statistics.median(r[k] for r in results):6.2f} s" for k in results[0]))
+            together = args.together and seed % 2 == 0
+            spent = run(runner, [p.prompt for p in prompts], out, args.concurrency, together)
+            results.append((together, spent))
+            print("together" if together else "as served", "  ".join(f"{k} {v:6.2f} s" for k, v in spent.items()),
+                  f" {len(prompts) / spent['total']:.2f} req/s", flush=True)
+        for way in (False, True) if args.together else (False,):
+            runs = [r for t, r in results if t == way]
+            print("median" + (" together" if way else ""), "  ".join(
+                f"{k} {statistics.median(r[k] for r in runs):6.2f} s" for k in runs[0]))
         if args.profile:
             prompts = bench.make_shared_prefix_prompts(tokenizer, args.groups, 16, 1024, 64, out, 99)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
