@@ -47,7 +47,7 @@ template <typename T>
 using Attend = void (*)(const Step<T>&, int64_t, int64_t, int64_t, int64_t, float*);
 
 // The item's code for this many query heads a key head and this head width: compiled for widths
-// of 64 and 128 (every model here), else taking it at run time.
+// of 64 and 128 (SmolLM2's, Qwen3's), else taking the width at run time.
 template <typename T, int... G>
 Attend<T> for_shape(int64_t group, int64_t dim, std::integer_sequence<int, G...>) {
   constexpr int step = static_cast<int>(Dot<T>::kStep);
