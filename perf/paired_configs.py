@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured bursts to each server after a start")
     parser.add_argument("--dataset", choices=("random", "shared_prefix"), default="random")
     parser.add_argument("--per-group", type=int, default=bench.SHARED_PREFIX[2],
-                        help="shared_prefix: prompts behind each system prompt (a burst of one group: one shared by all)")
+                        help="shared_prefix: prompts behind each system prompt (a burst of one group: one for all)")
     parser.add_argument("--input-len", type=int, default=320)
     parser.add_argument("--output-len", type=int, default=1)
     parser.add_argument("--target", type=float, default=0.97, help="the ratio b / a to reach")

@@ -3,7 +3,8 @@ workload of `perf/peers/compare.py --workloads shared_prefix` (16 groups of 16 p
 system prompt and a 64-token question each, 16 out, 8 clients, SmolLM2) against one fresh server,
 then the server's own histograms over the run: the wait in the queue, the prefill batches (count,
 mean time, mean size), the decode steps, and the prompt tokens served from the prefix cache; and
-the CPU seconds each of the server's threads and the benchmark client used over the run.
+the CPU seconds the server's event loop thread, its other threads and the benchmark client used over
+the run.
 
     .venv/bin/python perf/experiments/shared_prefix_split.py                  # the default server
     .venv/bin/python perf/experiments/shared_prefix_split.py --args "--scheduler continuous"
@@ -21,25 +22,11 @@ import _perf_path  # noqa: F401  (perf/ on sys.path: its tools by name)
 import bench_serving as bench
 import servers
 from cli import cpu_model
+from profile_server import thread_cpu_seconds
 from transformers import AutoTokenizer
 
 SERIES = ("request_queue_time_seconds", "batch_prefill_time_seconds", "batch_decode_time_seconds",
           "time_to_first_token_seconds", "batch_size")
-
-
-def thread_seconds(pid: int) -> dict[int, tuple[str, float]]:
-    """Each thread of the process: (its name, CPU seconds so far), from /proc."""
-    hz = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                text = f.read()
-        except OSError:  # (a thread that ended)
-            continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / hz)
-    return out
 
 
 def main() -> None:
@@ -59,11 +46,11 @@ def main() -> None:
         warm = bench.make_shared_prefix_prompts(tokenizer, 1, 8, 1024, 64, 16, args.seed + 100)
         asyncio.run(bench.benchmark(server.base_url, warm, tokenizer=tokenizer, model=name,
                                     max_concurrency=args.concurrency))
-        before, threads_before = servers.scrape_metrics(server.port), thread_seconds(server.pid)
+        before, threads_before = servers.scrape_metrics(server.port), thread_cpu_seconds(server.pid)
         client_before = os.times()
         result = asyncio.run(bench.benchmark(server.base_url, prompts, tokenizer=tokenizer,
                                              model=name, max_concurrency=args.concurrency))
-        after, threads_after = servers.scrape_metrics(server.port), thread_seconds(server.pid)
+        after, threads_after = servers.scrape_metrics(server.port), thread_cpu_seconds(server.pid)
         client_after = os.times()
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     row = {"completed": result["completed"], "first_error": result["first_error"][:200],
@@ -73,9 +60,7 @@ def main() -> None:
         total, count = delta.get(f"xllm:{name}_sum", 0.0), delta.get(f"xllm:{name}_count", 0.0)
         row[name] = {"count": int(count), "mean": round(total / count * (1 if name == "batch_size" else 1000), 2)
                      if count else None, "sum": round(total * (1 if name == "batch_size" else 1), 2)}
-    spent = {f"{name_} {tid}": seconds - threads_before.get(tid, (name_, 0.0))[1]  # (the server's, over the run)
-             for tid, (name_, seconds) in threads_after.items()}
-    row["server_cpu_s"] = {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+    row["server_cpu_s"] = {k: round(threads_after[k] - threads_before[k], 2) for k in threads_after}
     row["client_cpu_s"] = round(client_after.user + client_after.system - client_before.user - client_before.system, 2)
     row["cached_prompt_tokens"] = int(delta.get("xllm:prefix_cache_hits_total", delta.get("xllm:prefix_cache_hits", 0)))
     row["prompt_tokens"] = int(delta.get("xllm:prompt_tokens_total", 0))

@@ -126,8 +126,8 @@ class Decode:
 
     def native_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """What a native decode step (csrc/small_step.cpp) needs of this step's keys: the slabs,
-        where each new key goes, how many each row reads (and `sharing`); None where its attention
-        is not our decode kernel (that step runs in Python)."""
+        where each new key goes, how many each row reads (`sharing` goes beside them); None where its
+        attention is not our decode kernel (that step runs in Python)."""
         if self.backend.decode_kernel is None:
             return None
         return self.cache.slabs, self.slots, self.reads
