@@ -131,17 +131,25 @@ def test_rows_that_end_leave_their_places_to_the_last_and_every_row_keeps_its_ke
 
 def test_rows_with_a_prefix_in_common_read_the_first_such_rows_copy_wherever_the_rows_move():
     """SlabCache.mark / sharing: a row reads its longest marked prefix from the first row that has it;
-    when rows end and others move into their places, the sources follow; a row alone shares nothing."""
+    when rows end and others move into their places, the sources follow; a row alone shares nothing,
+    nor do rows whose marks are equal but whose tokens are not."""
     from xllm_async.model.kv_cache import SHARED_SPAN, KvArena, KvLayout, SlabCache
 
     cache = SlabCache(KvArena(KvLayout(1, 1, 8, torch.float32), 8 * 2000, torch.device("cpu")), 8, 2000)
     cache.add_rows([1100, 600, 1500, 1200, 40], 2000)
     assert cache.sharing is None
-    cache.mark(0, [[11, 12], [11], [21, 22], [11, 12], []])
+    system, other = list(range(2 * SHARED_SPAN)), list(range(1, 2 * SHARED_SPAN + 1))
+    prompts = [system + [7], system[:SHARED_SPAN] + [8], other, system + [9], [5] * 40]
+    cache.mark(0, prompts, [[11, 12], [11], [21, 22], [11, 12], []])
     assert cache.sharing.tolist() == [[0, 0, 2, 0, 4], [0, SHARED_SPAN, 0, 2 * SHARED_SPAN, 0]]
     cache.select([1, 2, 3, 4])  # (row 0 ended: its followers read row 1's copy now, as far as it goes)
     assert cache.sharing.tolist() == [[0, 1, 0, 3], [0, 0, SHARED_SPAN, 0]]
     cache.add_rows([1300], 2000)  # (a row whose prompt is not marked shares nothing)
     assert cache.sharing.tolist() == [[0, 1, 0, 3, 4], [0, 0, SHARED_SPAN, 0, 0]]
     cache.select([2])
+    assert cache.sharing is None
+    # (keys that collide for different tokens share nothing: a prompt never reads another's keys)
+    cache.add_rows([1100], 2000)
+    cache.mark(1, [other + [9]], [[11, 12]])
+    cache.mark(0, [system + [9]], [[11, 12]])
     assert cache.sharing is None

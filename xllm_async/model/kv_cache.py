@@ -94,7 +94,7 @@ class SlabCache:
     of that prefix's keys; `sharing` tells a decode step's attention to read one copy of it for all
     of them, a prefix read from memory once a layer rather than once a row (mark)."""
 
-    __slots__ = ("arena", "slabs", "rows", "lengths", "_max_length", "marks", "sharing")
+    __slots__ = ("arena", "slabs", "rows", "lengths", "_max_length", "marks", "prompts", "sharing")
 
     def __init__(self, arena: KvArena, row_capacity: int, capacity: int) -> None:
         self.arena = arena
@@ -103,8 +103,10 @@ class SlabCache:
         self.lengths = torch.zeros(row_capacity, dtype=torch.long, device=arena.device)
         self._max_length = 0
         # Each row's marks: the chain key (prefix_cache.chain_keys) of its prompt's first
-        # SHARED_SPAN * (i + 1) tokens at i; none where unknown (no prefix cache).
+        # SHARED_SPAN * (i + 1) tokens at i; none where unknown (no prefix cache). And its prompt,
+        # which a shared prefix's tokens are compared against (two prompts' keys may collide).
         self.marks: list[list[int]] = []
+        self.prompts: list[list[int]] = []
         # int64 [2, rows] on the CPU: each row's source row, then the keys [0, n) it reads from the
         # source's copy (csrc/decode_attend.h); None where no row shares.
         self.sharing: torch.Tensor | None = None
@@ -142,28 +144,30 @@ class SlabCache:
         self.rows = need_rows
         self._max_length = max(self._max_length, max(lengths))
         self.marks[first:] = [[] for _ in lengths]
+        self.prompts[first:] = [[] for _ in lengths]
         self._share()
         return first
 
-    def mark(self, first: int, marks: list[list[int]]) -> None:
-        """Rows first.. now hold their prompts' keys, whose prefixes have these marks (each prompt's
-        prefix_cache.span_marks). Equal marks mean equal tokens; their keys are equal copies where
+    def mark(self, first: int, prompts: list[list[int]], marks: list[list[int]]) -> None:
+        """Rows first.. now hold these prompts' keys, whose prefixes have these marks (each prompt's
+        prefix_cache.span_marks). Equal marks and tokens: their keys are equal copies where
         one row's came from the prefix cache's blocks that the other computed or also found, and
         where neither did, two computations of the same tokens, either one what a prefix cache
         hit would have given."""
         self.marks[first:first + len(marks)] = marks
+        self.prompts[first:first + len(prompts)] = prompts
         self._share()
 
     def _share(self) -> None:
         """sharing, from the rows' marks: each row reads its longest marked prefix that an earlier
-        row also has from the first row that has it."""
+        row also has (the same tokens, not only the same key) from the first row that has it."""
         owners: dict[int, int] = {}
         sources, shared = list(range(self.rows)), [0] * self.rows
         for row, marks in enumerate(self.marks):
             for depth in range(len(marks) - 1, -1, -1):
-                owner = owners.get(marks[depth])
-                if owner is not None:
-                    sources[row], shared[row] = owner, (depth + 1) * SHARED_SPAN
+                owner, tokens = owners.get(marks[depth]), (depth + 1) * SHARED_SPAN
+                if owner is not None and self.prompts[owner][:tokens] == self.prompts[row][:tokens]:
+                    sources[row], shared[row] = owner, tokens
                     break
             for mark in marks:
                 owners.setdefault(mark, row)
@@ -200,6 +204,7 @@ class SlabCache:
         self.rows = len(rows)
         self._max_length = int(self.lengths[:self.rows].max()) if self.rows else 0
         self.marks = [self.marks[row] for row in rows]
+        self.prompts = [self.prompts[row] for row in rows]
         self._share()
 
     def _reshape(self, row_capacity: int, capacity: int) -> None:

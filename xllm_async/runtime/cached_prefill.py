@@ -115,5 +115,5 @@ class CachedPrefill:
         if stored is not None:
             store.commit(stored)
         if cache is not None and hits:  # (rows whose prompts begin alike: decode reads one copy)
-            cache.mark(first, [span_marks(hit.keys) for hit in hits])
+            cache.mark(first, prompts, [span_marks(hit.keys) for hit in hits])
         return hidden, ctx, (skips if store is not None else None)
