@@ -38,7 +38,8 @@ def threads():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", range(1, 9))
-@pytest.mark.parametrize("kv_heads,dim", [(2, 64), (1, 128), (3, 32), (1, 96)])
+# (16 and 48: heads 16 wider than a multiple of 32, their last 16 values apart)
+@pytest.mark.parametrize("kv_heads,dim", [(2, 64), (1, 128), (3, 32), (1, 96), (2, 16), (1, 48), (1, 240)])
 def test_rows_across_span_edges_attend_as_float32_attention(group, kv_heads, dim, dtype):
     """Every length in one call: one key, a span less one, a span, a span and one, several spans
     and a short last one; float32 within float32 summation order, bfloat16 within its rounding."""
@@ -72,7 +73,7 @@ def test_peaked_scores_merge_without_overflow():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (4, 2, 16), (6, 2, 80)])
 def test_a_rows_answer_is_the_same_bits_alone_or_among_any_rows_on_any_threads(threads, heads, kv_heads, dim,
                                                                                dtype):
     """Each length alone on one thread, then inside batches of 2..16 rows of other lengths, at each

@@ -412,6 +412,34 @@ def test_greedy_decode_answers_the_same_alone_and_beside_rows_of_other_lengths(t
     assert greedy(prompts) == alone
 
 
+def test_decode_logits_are_the_same_bits_on_one_thread_and_on_two(tiny_model_dir):
+    """A slot's step runs on its share of the cores or on all of them (StreamBinding.share_cores,
+    by whether the other slots are busy): its answer must not follow. torch's fused attention sums
+    a decode's keys differently by thread count (it did for the tiny model's 16-wide heads, and a
+    served test comparing logprobs failed now and then); our decode kernel cuts them by a constant."""
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "float32")
+    runner.set_kv_cache(64 << 20, 1)
+    prompts = random_prompts(23, [105, 117, 133])
+    before = torch.get_num_threads()
+
+    def steps(threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            prefilled = runner.prefill(prompts, 150)
+            logits, out = prefilled.logits, [prefilled.logits]
+            for _ in range(6):
+                logits = runner.decode(prefilled.cache, logits.argmax(-1).tolist())
+                out.append(logits)
+        return torch.stack(out)
+
+    try:
+        assert torch.equal(steps(1), steps(2))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
     from xllm_async.model.cpu_linear import EXACT_ROWS, padded_rows
 
@@ -617,8 +645,10 @@ def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_
         smol = choose_attention(cpu, torch.bfloat16, 64, 3)  # SmolLM2's heads: every kernel
         assert isinstance(smol, backends.CpuKernelAttention)
         assert None not in (smol.varlen_kernel, smol.decode_kernel, smol.prefix_kernel)
-        tiny = choose_attention(cpu, torch.float32, 16, 2)  # 16 wide: the decode kernel takes 32s
-        assert tiny.varlen_kernel is not None and tiny.prefix_kernel is not None and tiny.decode_kernel is None
+        tiny = choose_attention(cpu, torch.float32, 16, 2)  # 16 wide: every kernel too
+        assert None not in (tiny.varlen_kernel, tiny.decode_kernel, tiny.prefix_kernel)
+        wide = choose_attention(cpu, torch.bfloat16, 64, 12)  # 12 query heads a key head: the decode kernel takes 8
+        assert wide.varlen_kernel is not None and wide.prefix_kernel is not None and wide.decode_kernel is None
     assert type(choose_attention(cpu, torch.float16, 64, 3)) is backends.SdpaAttention
     assert choose_attention(cpu, torch.float16, 64, 3).multiple == backends.ATTENTION_MULTIPLE
     for device in (torch.device("cuda", 0), torch.device("meta")):  # (chosen, not run; meta stands in for an NPU)

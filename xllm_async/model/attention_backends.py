@@ -208,7 +208,7 @@ class CpuKernelAttention(SdpaAttention):
         if dtype not in KERNEL_DTYPES:
             return False, False, False
         width = head_dim % 16 == 0 and head_dim <= 512
-        return width, head_dim % 32 == 0 and head_dim <= 256 and group <= 8, width
+        return width, width and head_dim <= 256 and group <= 8, width
 
     def prefill(self, ctx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:

@@ -168,7 +168,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q [rows, heads, dim], keys/values [rows, kv_heads, capacity, dim]");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(1);
   TORCH_CHECK(keys.size(3) == dim && keys.stride(2) == dim && values.stride(2) == dim, "tokens must be dim apart");
-  TORCH_CHECK(dim % 32 == 0 && dim <= kMaxWidth, "head width must be a multiple of 32, at most 256");
+  TORCH_CHECK(dim % 16 == 0 && dim <= kMaxWidth, "head width must be a multiple of 16, at most 256");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "at most 8 query heads a key head");
   TORCH_CHECK(keys.size(0) >= rows, "a slab per row");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == rows, "lengths: int64 [rows]");

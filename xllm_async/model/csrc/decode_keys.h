@@ -39,6 +39,8 @@ struct Dot<bf16> {
   using Vector = __m512bh;
   static constexpr int64_t kStep = 32;
   static Vector load(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  // The first 16 values, the rest zero (a head 16 wider than a multiple of 32: its products add 0).
+  static Vector load_half(const bf16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, p); }
   static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_dpbf16_ps(acc, a, b); }
   static void store(bf16* p, __m512 x) { xllm_simd::store_bf16(p, x, 0xFFFF); }
   // 32 values of a key, widened exactly: the even ones (a shift) and the odd ones (a mask), two
@@ -48,6 +50,11 @@ struct Dot<bf16> {
     const __m512i raw = _mm512_loadu_si512(p);
     even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
     odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // 16 values widened in order (the last 16 of a head 16 wider than a multiple of 32).
+  static __m512 widen16(const bf16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p))), 16));
   }
   static void restore(__m512& even, __m512& odd) {
     const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -63,12 +70,14 @@ struct Dot<float> {
   using Vector = __m512;
   static constexpr int64_t kStep = 16;
   static Vector load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vector load_half(const float* p) { return _mm512_loadu_ps(p); }  // (never called: kStep is 16)
   static __m512 add(__m512 acc, Vector a, Vector b) { return _mm512_fmadd_ps(a, b, acc); }
   static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
   static void widen(const float* p, __m512& first, __m512& second) {
     first = _mm512_loadu_ps(p);
     second = _mm512_loadu_ps(p + 16);
   }
+  static __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
   static void restore(__m512&, __m512&) {}
 };
 
@@ -121,14 +130,19 @@ void weigh_values(const T* values, int64_t n, int64_t dim, int64_t d0, const flo
   const T* v = values + d0;
   for (int64_t j = 0; j < n; ++j, v += dim) {
     __m512 x[V];
-    for (int k = 0; k < V; k += 2) Dot<T>::widen(v + 16 * k, x[k], x[k + 1]);
+    if constexpr (V == 1) {
+      x[0] = Dot<T>::widen16(v);
+    } else {
+      for (int k = 0; k < V; k += 2) Dot<T>::widen(v + 16 * k, x[k], x[k + 1]);
+    }
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(probs[g][j]);
       for (int k = 0; k < V; ++k) acc[g][k] = _mm512_fmadd_ps(p, x[k], acc[g][k]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int k = 0; k < V; k += 2) Dot<T>::restore(acc[g][k], acc[g][k + 1]);
+    if constexpr (V > 1)
+      for (int k = 0; k < V; k += 2) Dot<T>::restore(acc[g][k], acc[g][k + 1]);
     if (partial != nullptr) {
       for (int k = 0; k < V; ++k) _mm512_storeu_ps(partial[g] + d0 + 16 * k, acc[g][k]);
     } else {
@@ -148,6 +162,8 @@ template <typename T, int G, int C>
 void attend_keys(const Step<T>& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* partial) {
   using D = Dot<T>;
   const int64_t dim = C > 0 ? C * D::kStep : a.dim, n = end - begin, chunks = dim / D::kStep;
+  // A bfloat16 head 16 wider than a multiple of 32 (48, 80, ...): its last 16 values in a half vector.
+  const bool half = C == 0 && dim % D::kStep != 0;
   const int64_t from = a.shared != nullptr && end <= a.shared[row] ? a.source[row] : row;  // (whose copy it reads)
   const T* keys = a.keys + from * a.k_row + kv_head * a.k_head + begin * dim;
   const T* values = a.values + from * a.v_row + kv_head * a.v_head + begin * dim;
@@ -155,6 +171,7 @@ void attend_keys(const Step<T>& a, int64_t row, int64_t kv_head, int64_t begin, 
   for (int g = 0; g < G; ++g) {
     const T* qg = a.q + row * a.q_row + (kv_head * G + g) * a.q_head;
     for (int64_t c = 0; c < chunks; ++c) q[g][c] = D::load(qg + c * D::kStep);
+    if (half) q[g][chunks] = D::load_half(qg + chunks * D::kStep);
   }
   // Scores 16 keys at a time: each key's dot product with a query head is a vector of partial
   // sums, and 16 of them reduce together into one vector of 16 scores (sum16), where reducing each
@@ -173,6 +190,7 @@ void attend_keys(const Step<T>& a, int64_t row, int64_t kv_head, int64_t begin, 
       for (int j = 0; j < 16; ++j) {
         acc[j] = _mm512_setzero_ps();
         for (int64_t c = 0; c < chunks; ++c) acc[j] = D::add(acc[j], D::load(kj[j] + c * D::kStep), q[g][c]);
+        if (half) acc[j] = D::add(acc[j], D::load_half(kj[j] + chunks * D::kStep), q[g][chunks]);
       }
       const __m512 s = _mm512_mul_ps(sum16(acc), scale);
       _mm512_mask_storeu_ps(probs[g] + j0, live, s);
@@ -200,12 +218,17 @@ void attend_keys(const Step<T>& a, int64_t row, int64_t kv_head, int64_t begin, 
     sums[g] = partial == nullptr ? nullptr : partial + 2 * G + g * dim;
   }
   float* const* into = partial == nullptr ? nullptr : sums;
-  // 64 values at a time where G x 4 sums fit the registers, else (and for a 32-wide rest) 32.
+  // 64 values at a time where G x 4 sums fit the registers, else (and for a 32-wide rest) 32, then
+  // a 16-wide rest alone.
   constexpr int kWide = G <= 4 ? 4 : 2;
   int64_t d0 = 0;
   for (; d0 + 16 * kWide <= dim; d0 += 16 * kWide)
     weigh_values<T, G, kWide>(values, n, dim, d0, probs, inverse, out, into);
-  if (d0 < dim) weigh_values<T, G, 2>(values, n, dim, d0, probs, inverse, out, into);
+  if (d0 + 32 <= dim) {
+    weigh_values<T, G, 2>(values, n, dim, d0, probs, inverse, out, into);
+    d0 += 32;
+  }
+  if (d0 < dim) weigh_values<T, G, 1>(values, n, dim, d0, probs, inverse, out, into);
   if (partial != nullptr) {
     for (int g = 0; g < G; ++g) {
       partial[g] = peak[g];
