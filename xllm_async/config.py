@@ -58,6 +58,7 @@ class Settings:
     prefix_cache: str = "on"
     prefix_cache_share: float | None = None
     prefix_cache_admit: str = "second"
+    kv_prefault: str = "off"
 
 
 # --- value parsers: each returns the value or raises ValueError("what is allowed") ---
@@ -220,6 +221,12 @@ _OPTIONS: dict[str, tuple[Callable[[str], object], str]] = {
                                                      "a slot's cache anyway (more tokens out than one, beam rounds), "
                                                      "so that one-token prompts that never repeat write nothing into "
                                                      "it; all, every prompt's"),
+    "kv_prefault": (_choice("off", "on"), "with XLLM_PREFIX_CACHE=on, on a CPU: on, the prefix cache's store (what "
+                                          "of XLLM_KV_CACHE_BYTES the slots' caches have not reached) backed with "
+                                          "memory at start-up, as vLLM and SGLang allocate theirs, so that no "
+                                          "request pays for a page's first touch (where a VM's host backs memory "
+                                          "on first touch, ~2.5 s a GB); start-up takes that time and the "
+                                          "budget is resident from the start; off, taken as it is used"),
 }
 
 

@@ -80,6 +80,11 @@ class Service:
         num_slots = 1 if continuous else settings.concurrent_execute_stream_num
         prefix_share = settings.prefix_cache_share if settings.prefix_cache == "on" else 0.0
         self.runner.set_kv_cache(settings.kv_cache_bytes, num_slots, prefix_share, settings.prefix_cache_admit)
+        if settings.kv_prefault == "on" and self.runner.prefix_store is not None:
+            began = time.monotonic()
+            self.runner.prefix_store.populate()
+            log.info("prefix cache: its store backed with memory in %.1f s (XLLM_KV_PREFAULT=on)",
+                     time.monotonic() - began)
         if self.runner.kv_tokens and self.runner.kv_tokens < self.runner.max_model_len:
             raise ConfigError(f"invalid XLLM_KV_CACHE_BYTES={settings.kv_cache_bytes}: a slot's cache holds "
                               f"{self.runner.kv_tokens} tokens, less than one sequence of XLLM_MAX_MODEL_LEN="

@@ -14,7 +14,8 @@ default model (SmolLM2-135M); `beams` one beam search at a time of each `--beam-
 and the extra resident memory of the server's process group (perf/beams.py measures both);
 `shared_prefix` SGLang's generated-shared-prefix on SmolLM2 at c8 (16 groups of 16 prompts, a
 1,024-token system prompt and a 64-token question each, 16 out; ours with its prefix cache on, the
-default, and `xllm_nocache` with it off).
+default, `xllm_nocache` with it off, and `xllm_prefault` with its store backed with memory at start-up,
+`--kv-prefault on`, as vLLM's key/value space is).
 
 1. The peers run in their own virtual environment, perf/peers/.venv, made once from the
    project's Python: the on-disk CPU torch first, then requirements.txt, then the project
@@ -163,6 +164,10 @@ def servers_for(args: argparse.Namespace) -> list[Server]:
         "xllm_nocache": Server("xllm_nocache", OUR_PYTHON, [*ours, "--scheduler", "fixed_steps",
                                                             "--concurrent-execute-stream-num", str(args.ours_streams),
                                                             "--prefix-cache", "off"]),
+        # ours with the prefix store backed with memory at start-up, as vLLM's KV space is (XLLM_KV_PREFAULT)
+        "xllm_prefault": Server("xllm_prefault", OUR_PYTHON, [*ours, "--scheduler", "fixed_steps",
+                                                              "--concurrent-execute-stream-num", str(args.ours_streams),
+                                                              "--kv-prefault", "on"]),
         "xllm_continuous": Server("xllm_continuous", OUR_PYTHON, [*ours, "--scheduler", "continuous",
                                                                   "--concurrent-execute-stream-num", "1"]),
         # ours on quantized weights (issue 39): the model's GGUF blocks as shipped, or Q8_0 made at load

@@ -4,6 +4,7 @@ writes into them."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -17,6 +18,7 @@ from .kv_cache import KvLayout
 BLOCK_TOKENS = 32
 
 HUGE_PAGE = 2 << 20
+MADV_POPULATE_WRITE = 23  # (Linux 5.14; Python's mmap module does not name it before 3.13)
 
 
 def page_bytes() -> int:
@@ -64,6 +66,25 @@ class BlockPool:
         raw = torch.frombuffer(self._memory, dtype=torch.uint8)
         self._start = -raw.data_ptr() % HUGE_PAGE
         self.blocks = raw[self._start:self._start + nbytes].view(layout.dtype).view(shape)
+
+    def populate(self, blocks: int) -> None:
+        """Back blocks [0, blocks) with memory now, every page written once (XLLM_KV_PREFAULT=on), so that
+        no prefill pays for a page's first touch: where the kernel's own populate is refused, one byte
+        a page written here. Nothing on an accelerator (allocated whole)."""
+        if self._memory is None or blocks <= 0:
+            return
+        lay = self.layout
+        part_bytes = BLOCK_TOKENS * lay.kv_heads * lay.head_dim * lay.dtype.itemsize
+        raw = torch.frombuffer(self._memory, dtype=torch.uint8)
+        address = raw.data_ptr()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        for part in range(lay.layers * 2):  # (each layer's keys, then its values: a run of blocks each)
+            first = self._start + part * self.size * part_bytes
+            end = first + blocks * part_bytes
+            low, high = first // mmap.PAGESIZE * mmap.PAGESIZE, end
+            if madvise(address + low, high - low, MADV_POPULATE_WRITE) != 0:
+                raw[first:end:mmap.PAGESIZE].zero_()
 
     def give_back(self, low: int, high: int) -> None:
         """The pages that lie wholly within blocks [low, high) back to the system (they read as

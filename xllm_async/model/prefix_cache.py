@@ -155,6 +155,15 @@ class PrefixStore:
         kept = self.seen.admit([hit.keys for hit in hits])
         return None if slab_anyway else kept
 
+    def populate(self) -> None:
+        """Back the blocks it may hold now with memory at once (XLLM_KV_PREFAULT=on, at start-up)."""
+        with self._lock:
+            if self._pool is None and self.capacity:
+                self._pool = BlockPool(self.layout, self.size, self.device)
+            if self._pool is not None:
+                self._pool.populate(self.capacity)
+                self._touched = max(self._touched, self.capacity)
+
     def reserve(self, prompts: list[list[int]], hits: list[PrefixHit], skips: list[int],
                 kept: set[int] | None = None) -> BlockWrites:
         """Before a prefill of these prompts packed end to end, prompt i from its token skips[i]
