@@ -8,9 +8,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 
+import pytest
 import torch
 
 from xllm_async.config import load_settings
+from xllm_async.model import block_pool
 
 from .client import post
 from .conftest import ServerProcess
@@ -39,7 +41,10 @@ def block_pages(store, blocks: range) -> list[bool]:
                                  // (pool.shape[0] * 2))]
 
 
-def test_populate_backs_every_block_the_store_may_hold_and_answers_stay_cold(tiny_model_dir):
+@pytest.mark.parametrize("way", ["madvise", "touch"])
+def test_populate_backs_every_block_the_store_may_hold_and_answers_stay_cold(tiny_model_dir, monkeypatch, way):
+    if way == "touch":  # (a kernel before 5.14 refuses the advice: a byte a page, touched here)
+        monkeypatch.setattr(block_pool, "MADV_POPULATE_WRITE", 12345)
     lazy, eager = runner_of(tiny_model_dir), runner_of(tiny_model_dir)
     eager.prefix_store.populate()
     store = eager.prefix_store

@@ -68,9 +68,9 @@ class BlockPool:
         self.blocks = raw[self._start:self._start + nbytes].view(layout.dtype).view(shape)
 
     def populate(self, blocks: int) -> None:
-        """Back blocks [0, blocks) with memory now, every page written once (XLLM_KV_PREFAULT=on), so that
-        no prefill pays for a page's first touch: where the kernel's own populate is refused, one byte
-        a page written here. Nothing on an accelerator (allocated whole)."""
+        """Back blocks [0, blocks) with memory now (XLLM_KV_PREFAULT=on), so that no prefill pays for a
+        page's first touch: the kernel's populate (Linux 5.14 on), else a byte a page rewritten with its
+        own value. Nothing on an accelerator (allocated whole)."""
         if self._memory is None or blocks <= 0:
             return
         lay = self.layout
@@ -83,8 +83,9 @@ class BlockPool:
             first = self._start + part * self.size * part_bytes
             end = first + blocks * part_bytes
             low, high = first // mmap.PAGESIZE * mmap.PAGESIZE, end
-            if madvise(address + low, high - low, MADV_POPULATE_WRITE) != 0:
-                raw[first:end:mmap.PAGESIZE].zero_()
+            if madvise(address + low, high - low, MADV_POPULATE_WRITE) != 0:  # (each page rewritten as it is)
+                raw[first:end:mmap.PAGESIZE].add_(0)
+                raw[end - 1:end].add_(0)
 
     def give_back(self, low: int, high: int) -> None:
         """The pages that lie wholly within blocks [low, high) back to the system (they read as
