@@ -22,7 +22,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 import decode_step
 import read_ceiling

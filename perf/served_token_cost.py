@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-
 import urllib.request
 
 import bench_serving as bench

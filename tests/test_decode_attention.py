@@ -54,7 +54,7 @@ def test_rows_across_span_edges_attend_as_float32_attention(group, kv_heads, dim
     for row, n in enumerate(LENGTHS):
         want = F.scaled_dot_product_attention(qg[row], keys[row, :, :n].float(), values[row, :, :n].float(),
                                               scale=dim ** -0.5).reshape(heads, dim)
-        torch.testing.assert_close(out[row].float(), want, **tolerance, msg=lambda m: f"{n} keys: {m}")
+        torch.testing.assert_close(out[row].float(), want, **tolerance, msg=lambda m, n=n: f"{n} keys: {m}")
 
 
 def test_peaked_scores_merge_without_overflow():

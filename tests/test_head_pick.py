@@ -122,7 +122,8 @@ def test_a_served_greedy_batch_picks_the_same_tokens_with_and_without_the_fused_
     real = runner.model.greedy
     monkeypatch.setattr(runner.model, "greedy", lambda hidden: fused_calls.append(len(hidden)) or real(hidden))
     fused = generate(runner, greedy, PROMPTS)
-    assert fused_calls[0] == 4 and len(fused_calls) == 19  # every step took the pick (the 1-token row ends at its prefill)
+    # Every step took the pick (the 1-token row ends at its prefill).
+    assert fused_calls[0] == 4 and len(fused_calls) == 19
     monkeypatch.setattr(batch_module.GenerationBatch, "_greedy_only", lambda self: False)
     fused_calls.clear()
     assert generate(runner, greedy, PROMPTS) == fused and not fused_calls

@@ -132,7 +132,7 @@ def test_sampling_from_the_candidates_picks_samples_tokens_and_leaves_its_genera
         for _ in range(3):
             want, _ = sample(logits.clone(), params, theirs)
             got = sample_top(*candidates(logits, width_for(params, vocab)), params, ours, vocab,
-                             lambda rows: whole.extend(rows) or logits[rows].clone())
+                             lambda rows, logits=logits: whole.extend(rows) or logits[rows].clone())
             assert got == want
             assert all(a is None or torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, theirs))
     assert whole  # (the ties past the candidates were met)
@@ -155,7 +155,7 @@ def test_a_zero_draw_wins_as_numpys_argmax_lets_it(monkeypatch):
     real = torch.Tensor.exponential_
     monkeypatch.setattr(top_sampling, "_exact_draws", False)  # (both sides draw through torch's, patched)
     for zero_at in ([order[200], order[0]], [order[1], order[0]], [order[3]]):
-        def patched(self, *args, **kwargs):
+        def patched(self, *args, zero_at=zero_at, **kwargs):
             real(self, *args, **kwargs)
             self[zero_at] = 0.0
             return self
@@ -198,7 +198,8 @@ def test_a_served_top_k_batch_takes_the_fused_pick_and_the_seeded_tokens_of_the_
               SamplingParams(max_tokens=7, temperature=0.5, top_k=8, min_p=0.1, seed=9, ignore_eos=True)]
     fused_calls = []
     real = runner.model.top
-    monkeypatch.setattr(runner.model, "top", lambda hidden, width: fused_calls.append(len(hidden)) or real(hidden, width))
+    monkeypatch.setattr(runner.model, "top",
+                        lambda hidden, width: fused_calls.append(len(hidden)) or real(hidden, width))
     fused = generate(runner, params, PROMPTS)
     assert fused_calls[0] == 4 and len(fused_calls) == 19  # every step took the top-k pick
     monkeypatch.setattr(batch_module.GenerationBatch, "_top_only", lambda self: False)

@@ -22,10 +22,10 @@ import hashlib
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import _perf_path  # noqa: F401
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # this checkout's package, not the one the environment installed (a worktree's)

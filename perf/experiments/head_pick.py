@@ -29,10 +29,9 @@ import time
 
 import _perf_path  # noqa: F401  (perf/ on sys.path)
 import servers
-
-import xllm_async  # noqa: F401  (OpenMP spinning and the malloc arena, set before torch loads)
 import torch  # noqa: E402
 
+import xllm_async  # noqa: F401  (OpenMP spinning and the malloc arena, set before torch loads)
 from xllm_async.execution.sampling import argmax_rows  # noqa: E402
 from xllm_async.runtime.device import StreamBinding, resolve_device  # noqa: E402
 from xllm_async.runtime.model_runner import load_runner  # noqa: E402
@@ -54,7 +53,8 @@ def steps(runner, prompts: list[list[int]], count: int, fused: bool) -> tuple[li
 
 
 def head_alone(runner, rows: int, rounds: int, calls: int) -> list[tuple[float, float]]:
-    """(logits way, fused way) median microseconds of the head alone over `rows` random hidden rows, a pair per round."""
+    """(logits way, fused way) median microseconds of the head alone over `rows` random hidden rows, a pair
+    per round."""
     head = runner.model.packed_lm_head
     hidden = torch.randn(rows, runner.model.shape.hidden).to(runner.dtype)
     ways = {"logits": lambda: argmax_rows(runner.model.logits(hidden)),

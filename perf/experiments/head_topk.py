@@ -22,10 +22,9 @@ import time
 
 import _perf_path  # noqa: F401  (perf/ on sys.path)
 import servers
-
-import xllm_async  # noqa: F401  (OpenMP spinning and the malloc arena, set before torch loads)
 import torch  # noqa: E402
 
+import xllm_async  # noqa: F401  (OpenMP spinning and the malloc arena, set before torch loads)
 from xllm_async.engine.params import SamplingParams  # noqa: E402
 from xllm_async.execution.sampling import argmax_rows, sample  # noqa: E402
 from xllm_async.execution.top_sampling import sample_top, width_for  # noqa: E402

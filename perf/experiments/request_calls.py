@@ -18,7 +18,6 @@ import cProfile
 import os
 import pstats
 import random
-import subprocess
 import sys
 import time
 

@@ -1,8 +1,8 @@
 """A request body's validation on the loop, timed in-process (issue 50's speed guard):
-perf/sweep.py's streamed completion (320 token ids, max_tokens 1) parsed into a GenerationSpec N times, in this
-checkout and in another (--other DIR), each in a subprocess of its own, rounds interleaved; medians
-of the per-round best batch means (thread CPU time), in microseconds a request. Also the engine requests and response shape a
-generation builds from the spec, for the same spec.
+perf/sweep.py's streamed completion (320 token ids, max_tokens 1) parsed into a GenerationSpec N times,
+in this checkout and in another (--other DIR), each in a subprocess of its own, rounds interleaved;
+medians of the per-round best batch means (thread CPU time), in microseconds a request. Also the
+engine requests and response shape a generation builds from the spec, for the same spec.
 
     .venv/bin/python perf/experiments/request_parse.py --other /tmp/wt-before [--rounds 7]
 """

@@ -14,7 +14,6 @@ from ..execution.beam import BeamResult
 from .fields import Fields, bad
 from .model_info import ModelInfo
 
-
 # Without both, there is no vLLM beam search and no length_penalty to check.
 _FIELDS = frozenset(("use_beam_search", "length_penalty"))
 
