@@ -73,17 +73,12 @@ class BlockPool:
         own value. Nothing on an accelerator (allocated whole)."""
         if self._memory is None or blocks <= 0:
             return
-        lay = self.layout
-        part_bytes = BLOCK_TOKENS * lay.kv_heads * lay.head_dim * lay.dtype.itemsize
         raw = torch.frombuffer(self._memory, dtype=torch.uint8)
-        address = raw.data_ptr()
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        for part in range(lay.layers * 2):  # (each layer's keys, then its values: a run of blocks each)
-            first = self._start + part * self.size * part_bytes
-            end = first + blocks * part_bytes
-            low, high = first // mmap.PAGESIZE * mmap.PAGESIZE, end
-            if madvise(address + low, high - low, MADV_POPULATE_WRITE) != 0:  # (each page rewritten as it is)
+        for first, end in self._byte_runs(0, blocks):
+            low = first // mmap.PAGESIZE * mmap.PAGESIZE
+            if madvise(raw.data_ptr() + low, end - low, MADV_POPULATE_WRITE) != 0:  # (each page rewritten as it is)
                 raw[first:end:mmap.PAGESIZE].add_(0)
                 raw[end - 1:end].add_(0)
 
@@ -92,14 +87,19 @@ class BlockPool:
         zeros if touched again); nothing on an accelerator."""
         if self._memory is None:
             return
-        lay, page = self.layout, mmap.PAGESIZE
-        part_bytes = BLOCK_TOKENS * lay.kv_heads * lay.head_dim * lay.dtype.itemsize  # a block of one layer's keys
-        for part in range(lay.layers * 2):  # (each layer's keys, then its values: the blocks in order)
-            first = self._start + (part * self.size + low) * part_bytes
-            end = self._start + (part * self.size + high) * part_bytes
+        page = mmap.PAGESIZE
+        for first, end in self._byte_runs(low, high):
             first, end = -(-first // page) * page, end // page * page
             if end > first:
                 self._memory.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+    def _byte_runs(self, low: int, high: int) -> list[tuple[int, int]]:
+        """Where blocks [low, high) lie in the mapping: a byte range for each layer's keys and each
+        layer's values (each a run of the pool's blocks in order)."""
+        lay = self.layout
+        part_bytes = BLOCK_TOKENS * lay.kv_heads * lay.head_dim * lay.dtype.itemsize  # a block of one layer's keys
+        bases = [self._start + part * self.size * part_bytes for part in range(lay.layers * 2)]
+        return [(base + low * part_bytes, base + high * part_bytes) for base in bases]
 
 
 class BlockWrites:

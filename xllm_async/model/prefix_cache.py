@@ -158,11 +158,15 @@ class PrefixStore:
     def populate(self) -> None:
         """Back the blocks it may hold now with memory at once (XLLM_KV_PREFAULT=on, at start-up)."""
         with self._lock:
-            if self._pool is None and self.capacity:
-                self._pool = BlockPool(self.layout, self.size, self.device)
-            if self._pool is not None:
+            if self._pool_taken() is not None:
                 self._pool.populate(self.capacity)
                 self._touched = max(self._touched, self.capacity)
+
+    def _pool_taken(self) -> BlockPool | None:
+        """Its pool, allocated on first need (under the lock); None while it may hold nothing."""
+        if self._pool is None and self.capacity:
+            self._pool = BlockPool(self.layout, self.size, self.device)
+        return self._pool
 
     def reserve(self, prompts: list[list[int]], hits: list[PrefixHit], skips: list[int],
                 kept: set[int] | None = None) -> BlockWrites:
@@ -172,8 +176,7 @@ class PrefixStore:
         as blocks can be freed, for the forward to write (BlockWrites.write) and commit() to index;
         abandon() them if it fails."""
         with self._lock:
-            if self._pool is None and self.capacity:
-                self._pool = BlockPool(self.layout, self.size, self.device)
+            self._pool_taken()
             wanted, start, taking = [], 0, self.capacity > 0
             for prompt, hit, skip in zip(prompts, hits, skips):
                 for i in range(len(hit.blocks), len(hit.keys) if taking else 0):
