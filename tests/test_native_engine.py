@@ -307,8 +307,8 @@ def test_packed_linears_compute_what_plain_ones_do(kind):
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).bfloat16()
     with torch.inference_mode():
-        beyond_ours = max(OUR_MAX_ROWS.values()) + 3
-        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 2, 3, 5, 32, 33, 100, beyond_ours)]
+        beyond_ours = max(OUR_MAX_ROWS.values()) + 3  # (AMX: oneDNN's copy; 300 rows: ours where it takes all)
+        inputs = [torch.randn(rows, 64).bfloat16() for rows in (1, 2, 3, 5, 32, 33, 100, beyond_ours, 300)]
         plain = [F.linear(x.float(), layer.weight.float(), layer.bias.float()) for x in inputs]
         assert pack_linears(layer, kind) == 1 and layer.weight is None
         for x, want in zip(inputs, plain):
@@ -455,7 +455,8 @@ def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
 def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_dir, monkeypatch, kind):
     """oneDNN compiles a kernel per row count: packed prompts (and decode steps of more than
     EXACT_ROWS rows) go through the layers padded, and the padding changes no answer. Our linear
-    takes up to its OUR_MAX_ROWS; more go to oneDNN (F.linear on the plain weight)."""
+    takes up to its OUR_MAX_ROWS on AMX, more going to oneDNN's copy; on AVX512-BF16 it takes every
+    row count, unpadded, and no layer keeps oneDNN's weight."""
     from xllm_async.model import cpu_kernels, cpu_linear
     from xllm_async.runtime import model_runner
 
@@ -489,6 +490,11 @@ def test_bfloat16_rows_reach_the_packed_linear_and_answer_as_alone(tiny_model_di
     prompts = random_prompts(23, [3 + (i % 7) for i in range(70)])  # 70 rows decode
     tokens = sum(map(len, prompts))
     batched = greedy(prompts)
+    if kind == "ours" and not cpu_linear.keeps_onednn_copy():  # (AVX512-BF16: ours alone, rows as they are)
+        assert not beyond and not runner.model.pad_rows and tokens in seen and 70 in seen
+        assert all(m.packed.onednn is None for m in runner.model.modules() if getattr(m, "packed", None))
+        assert batched == [greedy([p])[0] for p in prompts]
+        return
     layer_rows = seen if kind == "onednn" else beyond
     assert max(layer_rows) > cpu_linear.EXACT_ROWS and all(cpu_linear.padded_rows(n) == n for n in layer_rows)
     assert cpu_linear.padded_rows(tokens) != tokens and tokens not in layer_rows and 70 not in layer_rows  # padded
@@ -609,13 +615,15 @@ def test_varlen_flash_attention_is_turned_off_only_by_errors_that_say_it_cannot_
 def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monkeypatch):
     """Start-up runs oneDNN's linear once at each padded row count from WARM_FROM up to the
     batch's most tokens, for every layer shape and slot thread count, so that no kernel of a large
-    batch is first compiled under traffic; the caller's thread count is left as it was."""
+    batch is first compiled under traffic; the caller's thread count is left as it was. (oneDNN's
+    linear serves large batches on AMX, and alone on CPUs without our kernel: it is chosen here.)"""
     from xllm_async.model import cpu_linear, layers
-    from xllm_async.runtime.model_runner import ModelRunner
+    from xllm_async.runtime import model_runner
 
-    if not _packings():
-        pytest.skip("no packed bfloat16 linear on this machine")
-    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    if "onednn" not in _packings():
+        pytest.skip("no oneDNN linear on this machine")
+    monkeypatch.setattr(model_runner, "choose_linear", lambda device, dtype: "onednn")
+    runner = model_runner.ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     calls: list[tuple[int, int, int]] = []  # (rows, input width, threads)
     onednn = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: calls.append(
@@ -629,6 +637,23 @@ def test_warm_up_compiles_onednn_for_every_large_row_count(tiny_model_dir, monke
     shapes = {(m.in_features, m.out_features, m.bias is not None) for m in runner.model.modules()
               if isinstance(m, layers.Linear)}
     assert len(calls) == len(sizes) * 2 * len(shapes) and len({x for _, x, _ in calls}) >= 2
+
+
+def test_warm_up_compiles_nothing_where_our_linear_takes_every_row_count(tiny_model_dir, monkeypatch):
+    """On AVX512-BF16 our linear takes every row count and no layer keeps oneDNN's weight: start-up
+    has nothing of oneDNN's to compile."""
+    from xllm_async.model import cpu_linear
+    from xllm_async.runtime.model_runner import ModelRunner
+
+    require_kernel("linear")
+    if cpu_linear.keeps_onednn_copy():
+        pytest.skip("AMX: oneDNN's copy serves the large batches")
+    runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
+    calls: list[int] = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: calls.append(x.shape[0]) or onednn(x, *rest))
+    runner.warm_up(2000, {1, 2})
+    assert calls == [] and not runner.model.pad_rows
 
 
 def test_the_attention_backend_is_chosen_once_from_the_device_the_dtype_and_the_head_shape():

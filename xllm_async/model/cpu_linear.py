@@ -19,9 +19,10 @@ class PackedWeight:
     """A [out, in] weight laid out for the CPU linears (perf/cpu_linear.py measures them):
     - "ours": our linear (csrc/linear.cpp), nothing compiled per row count, no set-up per call. In
       bfloat16 on AMX over torch's brgemm micro-kernel, on CPUs with AVX512-BF16 but no AMX over our
-      own vdpbf16ps loop: faster than oneDNN's for a decode step's rows, while from some rows on
-      oneDNN's blocking wins, so a layer keeps oneDNN's packed weight too (`onednn`: a second copy)
-      for more than `ours_max_rows` rows (OUR_MAX_ROWS). The LM head keeps no second copy: its rows
+      own vdpbf16ps loop. On AMX ours is faster than oneDNN's for a decode step's rows, while from
+      some rows on oneDNN's blocking wins, so a layer keeps oneDNN's packed weight too (`onednn`: a
+      second copy) for more than `ours_max_rows` rows (OUR_MAX_ROWS); on AVX512-BF16 ours takes
+      every row count and there is no second copy (keeps_onednn_copy). The LM head keeps none: its rows
       are a batch's last tokens or a beam round's beams, and its column blocks (beam search) exist
       only in our layout. In float32: our AVX512 FMA loop for every row count, no second copy;
     - "onednn": oneDNN's linear alone (torch.ops.mkldnn), on CPUs with neither: faster than aten's
@@ -54,10 +55,18 @@ class PackedWeight:
 
 
 OUR_COLUMNS = 64  # the column block of csrc/linear.cpp's packed weights
-# The most rows our linear takes where a layer also has oneDNN's weight, per instruction set
-# (cpu_kernels.our_linear()): where ours stops being faster (AMX) or stops being as fast (AVX512-BF16,
-# where the fewer row counts reach oneDNN, the fewer kernels it compiles as they come).
-OUR_MAX_ROWS = {"amx": 64, "avx512_bf16": 256}
+# The most rows our linear takes where a layer also keeps oneDNN's weight, per instruction set
+# (cpu_kernels.our_linear()): on AMX, where ours stops being faster. AVX512-BF16 has no entry: there
+# ours is as fast as oneDNN's at every row count (perf/experiments/cpu_linear.py, Zen 4: within 3%
+# at 256-1,536 rows, equal rows), and oneDNN's rows come padded (padded_rows: a 1,088-token prompt
+# ran as 1,280), so ours takes them all, unpadded, and the weights are held once (issue 48, RESULTS).
+OUR_MAX_ROWS = {"amx": 64}
+
+
+def keeps_onednn_copy() -> bool:
+    """Whether a bfloat16 layer on our linear also keeps oneDNN's packed weight, for the rows past
+    OUR_MAX_ROWS."""
+    return cpu_kernels.our_linear() in OUR_MAX_ROWS
 
 # The batch size oneDNN's packed layout is tuned for: a large one serves every size (one tuned for
 # 1 row made large prefills much slower; one tuned for 5,000 made decode no slower).
@@ -124,14 +133,15 @@ def _packable(module: nn.Module) -> bool:
 def pack_linears(model: nn.Module, kind: str) -> int:
     """Lay out every Linear's weight (and the LM head, as a copy: item tables and the tied
     embedding read the plain one) for `kind` once; returns how many Linears were packed. Quantized
-    ones (Linear.quant, CausalLM.quant_lm_head) keep their blocks. Only bfloat16 layers keep
-    oneDNN's layout beside ours (PackedWeight), so only they pad their rows."""
+    ones (Linear.quant, CausalLM.quant_lm_head) keep their blocks. Only bfloat16 layers on AMX keep
+    oneDNN's layout beside ours (keeps_onednn_copy), so only they pad their rows."""
     count = 0
     onednn = False
     with torch.no_grad():
         for module in model.modules():
             if _packable(module) and module.weight is not None:
-                module.packed = PackedWeight(module.weight, kind, both=module.weight.dtype == torch.bfloat16)
+                module.packed = PackedWeight(module.weight, kind,
+                                            both=module.weight.dtype == torch.bfloat16 and keeps_onednn_copy())
                 onednn = onednn or module.packed.onednn is not None
                 module.weight = None
                 count += 1
@@ -212,7 +222,7 @@ def rows_padded(x: torch.Tensor) -> torch.Tensor:
 # so that it is still in the core's cache when SiLU x up reads it and the down projection reads
 # that; whole, a large prefill's gate/up output went to memory and was read back twice. Rows are
 # independent: in float32 the result is the same bit for bit; in bfloat16 a last chunk of at most
-# OUR_MAX_ROWS rows runs on our linear where the whole batch ran on oneDNN's, as a small batch
+# OUR_MAX_ROWS rows (AMX) runs on our linear where the whole batch ran on oneDNN's, as a small batch
 # does, so its sums go in another order. Chunks are whole multiples of 256 rows, at most 2,048, so
 # the ones that reach oneDNN have row counts it already has kernels for (padded_rows).
 MLP_CHUNK_BYTES = 2 << 20

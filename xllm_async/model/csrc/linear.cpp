@@ -11,9 +11,10 @@
 // dozen small kernels per thread, met in the first minutes); on AVX512-BF16 the loop is ours.
 // A decode step's few rows also skip the primitive's ~15 us of set-up. oneDNN's primitive wins
 // from a few dozen rows on AMX (it rounds to bfloat16 inside its tile loop; ours takes a pass
-// after each block), from a few hundred on AVX512-BF16 (AMD Zen 5: both near the cores' peak,
-// oneDNN 2-8% ahead with a larger register block), so layers.py gives ours a decode step's rows
-// and the LM head (OUR_MAX_ROWS there, with the figures).
+// after each block), so on AMX layers.py gives ours a decode step's rows and the LM head. On
+// AVX512-BF16 both run near the cores' peak from a few hundred rows (Zen 5: oneDNN 2-8% ahead with
+// a larger register block; Zen 4: level), but oneDNN's rows come padded to a few sizes (up to a
+// quarter more), so there ours takes every row count (cpu_linear.py's OUR_MAX_ROWS, with figures).
 //
 // Weights are packed once (pack_linear) into column blocks of 64, each [K/2][64][2] bfloat16
 // (the pairs both AMX and vdpbf16ps multiply: a k pair of 16 columns is one 64-byte vector),
