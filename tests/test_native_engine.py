@@ -651,7 +651,8 @@ def test_warm_up_compiles_nothing_where_our_linear_takes_every_row_count(tiny_mo
     runner = ModelRunner(tiny_model_dir, torch.device("cpu"), "bfloat16")
     calls: list[int] = []
     onednn = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: calls.append(x.shape[0]) or onednn(x, *rest))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *rest: calls.append(x.shape[0]) or onednn(x, *rest))
     runner.warm_up(2000, {1, 2})
     assert calls == [] and not runner.model.pad_rows
 
