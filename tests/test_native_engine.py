@@ -440,6 +440,31 @@ def test_decode_logits_are_the_same_bits_on_one_thread_and_on_two(tiny_model_dir
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_our_linear_shares_its_tiles_out_and_answers_the_same_bits_on_any_thread_count(dtype):
+    """csrc/blocked_linear.h: threads take equal runs of (row block, column block) tiles, by rows
+    where the rows outnumber the columns, else by columns; 9 column blocks (SmolLM2's o and down
+    projections) no longer leave one thread 5 and the other 4. Whoever makes a tile, its sums are the
+    same: every row count, split either way, on 1, 2 and 3 threads."""
+    require_kernel("float32 linear" if dtype == torch.float32 else "linear")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(576, 200).to(dtype), torch.randn(576).to(dtype)  # 9 column blocks
+    packed = torch.ops.xllm.pack_linear(weight)
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 8, 33, 64, 448, 577, 1000):  # (577 on: more rows than columns, split by rows)
+            x = torch.randn(rows, 200).to(dtype)
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(torch.ops.xllm.linear(x, packed, bias, 576))
+            assert all(torch.equal(outs[0], out) for out in outs[1:]), rows
+            torch.testing.assert_close(outs[0].float(), F.linear(x.float(), weight.float(), bias.float()),
+                                       atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=0.02)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_padded_row_counts_are_few_and_waste_at_most_a_quarter():
     from xllm_async.model.cpu_linear import EXACT_ROWS, padded_rows
 
