@@ -5,7 +5,7 @@ have 9 column blocks and qkv 15, where whole blocks left one thread more than th
 each figure is the 25th percentile of 60 calls. Run it in two checkouts to compare builds:
 
     .venv/bin/python perf/experiments/linear_threads.py
-    (cd /tmp/wt-head && PYTHONPATH=. /work/main/.venv/bin/python perf/experiments/linear_threads.py)
+    (cd WORKTREE && PYTHONPATH=. $OLDPWD/.venv/bin/python perf/experiments/linear_threads.py)  # a worktree of the commit before
 """
 
 from __future__ import annotations

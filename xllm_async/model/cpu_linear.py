@@ -57,8 +57,8 @@ class PackedWeight:
 OUR_COLUMNS = 64  # the column block of csrc/linear.cpp's packed weights
 # The most rows our linear takes where a layer also keeps oneDNN's weight, per instruction set
 # (cpu_kernels.our_linear()): on AMX, where ours stops being faster. AVX512-BF16 has no entry: there
-# ours is as fast as oneDNN's at every row count (perf/experiments/cpu_linear.py, Zen 4: within 3%
-# at 256-1,536 rows, equal rows), and oneDNN's rows come padded (padded_rows: a 1,088-token prompt
+# ours is as fast as oneDNN's at every row count (perf/experiments/cpu_linear.py, Zen 4: within 1-5%
+# either way at 256-1,536 rows, equal rows), and oneDNN's rows come padded (padded_rows: a 1,088-token prompt
 # ran as 1,280), so ours takes them all, unpadded, and the weights are held once (issue 48, RESULTS).
 OUR_MAX_ROWS = {"amx": 64}
 
