@@ -2,10 +2,11 @@
 between threads), on SmolLM2's shapes at the rows its prefills meet: the o and down projections
 have 9 column blocks and qkv 15, where whole blocks left one thread more than the other; gate/up's
 48 are the control. Calls alternate one thread and two, so that the machine's phases fall on both;
-each figure is the 25th percentile of 60 calls. Run it in two checkouts to compare builds:
+each figure is the 25th percentile of 60 calls. Run it here and in a worktree of the commit
+before (WORKTREE) to compare builds:
 
     .venv/bin/python perf/experiments/linear_threads.py
-    (cd WORKTREE && PYTHONPATH=. $OLDPWD/.venv/bin/python perf/experiments/linear_threads.py)  # a worktree of the commit before
+    (cd WORKTREE && PYTHONPATH=. $OLDPWD/.venv/bin/python perf/experiments/linear_threads.py)
 """
 
 from __future__ import annotations
